@@ -1,0 +1,36 @@
+"""Named starting points for `python -m experiments.train --preset NAME`.
+
+Presets are plain functions returning a TrainConfig; any field can then be
+overridden on the command line.
+"""
+
+from jmegatron.models import GPTConfig
+from jmegatron.train import OptimConfig, TrainConfig
+
+
+def tiny() -> TrainConfig:
+    """The default: a small byte-level GPT on the Python stdlib, a few CPU minutes."""
+    return TrainConfig(
+        model=GPTConfig(d_model=128, n_layers=4, n_heads=4, n_kv_heads=2, d_ff=384),
+        steps=300, batch_size=32, seq_len=128, eval_every=100,
+        optim=OptimConfig(lr=3e-3, warmup_steps=30))
+
+
+def gpt2_small() -> TrainConfig:
+    """GPT-2 small sized (12 x 768, 12 heads), for accelerators."""
+    return TrainConfig(
+        model=GPTConfig(d_model=768, n_layers=12, n_heads=12, n_kv_heads=12, d_ff=2048,
+                        dtype="bfloat16"),
+        steps=5000, batch_size=64, seq_len=1024, eval_every=500, eval_batches=8,
+        optim=OptimConfig(lr=6e-4, warmup_steps=200, weight_decay=0.1))
+
+
+def bench() -> TrainConfig:
+    """Fixed settings for throughput measurements (no evaluation in the timed steps)."""
+    return TrainConfig(
+        model=GPTConfig(d_model=256, n_layers=4, n_heads=8, n_kv_heads=4, d_ff=768),
+        steps=50, batch_size=32, seq_len=256, eval_every=1000, eval_batches=1, log_every=5,
+        sample_tokens=16, progress=False)
+
+
+PRESETS = {"tiny": tiny, "gpt2-small": gpt2_small, "bench": bench}

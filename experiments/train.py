@@ -1,0 +1,42 @@
+"""Train a GPT: `python -m experiments.train [--preset NAME] [--field value ...]`.
+
+With no arguments it trains the `tiny` preset on the Python standard library's
+own sources, on 8 virtual CPU devices when no accelerator is present.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import tyro
+
+from experiments.presets import PRESETS
+from jmegatron.train import TrainConfig
+
+
+def parse(argv: list[str]) -> TrainConfig:
+    """``--preset`` picks the defaults; tyro parses every other field on top of them."""
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
+    known, rest = pre.parse_known_args(argv)
+    description = (f"{__doc__}\nPreset: {known.preset} (choose with --preset "
+                   f"{{{','.join(PRESETS)}}}; the defaults below are the preset's).")
+    return tyro.cli(TrainConfig, default=PRESETS[known.preset](), args=rest,
+                    description=description)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    cfg = parse(sys.argv[1:] if argv is None else argv)
+    import jax   # after parsing, so --help stays fast; before any backend starts
+    jax.config.update("jax_num_cpu_devices", cfg.cpu_devices)
+    from jmegatron.train import plan_run, train
+    try:
+        plan = plan_run(cfg)   # every check of mesh, corpus and model; nothing compiled yet
+    except ValueError as err:
+        sys.exit(f"error: {err}")
+    return train(cfg, plan)
+
+
+if __name__ == "__main__":
+    main()

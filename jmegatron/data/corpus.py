@@ -1,0 +1,156 @@
+"""Text corpora as token streams: the built-in stdlib corpus, text files, token files.
+
+Every corpus gives a train and a validation stream of token ids (a 1-D
+array, a memmap for token files). Documents are joined with EOS.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import json
+import os
+import sysconfig
+import zlib
+from pathlib import Path
+
+import numpy as np
+
+from jmegatron.data import tokenizer
+
+TEST_DIRS = {"test", "tests", "idle_test"}
+TOKEN_DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
+
+
+class DataError(ValueError):
+    """A corpus that cannot be used; the message names the path or value."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Corpus:
+    """Train and validation token streams and where they came from."""
+
+    train: np.ndarray
+    val: np.ndarray
+    source: str
+    vocab_size: int = tokenizer.VOCAB_SIZE
+
+
+def is_validation(relative_path: str, val_fraction: float) -> bool:
+    """Deterministic split by file: a stable hash of the path picks validation files."""
+    return zlib.crc32(relative_path.encode()) % 10_000 < val_fraction * 10_000
+
+
+def stdlib_files() -> tuple[Path, list[Path]]:
+    """The running interpreter's standard library ``.py`` files, without
+    ``site-packages`` and test folders, in a stable order."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = []
+    for folder, dirs, names in os.walk(root):
+        dirs[:] = sorted(d for d in dirs if d not in TEST_DIRS and d != "site-packages"
+                         and d != "__pycache__")
+        files += [Path(folder) / n for n in sorted(names) if n.endswith(".py")]
+    return root, files
+
+
+def text_files(spec: str) -> tuple[Path, list[Path]]:
+    """Files of a folder (recursively, hidden ones skipped) or of a glob pattern."""
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        files = sorted(p for p in path.rglob("*") if p.is_file()
+                       and not any(part.startswith(".") for part in p.relative_to(path).parts))
+        return path, files
+    if any(ch in spec for ch in "*?["):
+        files = sorted(Path(p) for p in glob.glob(spec, recursive=True) if os.path.isfile(p))
+        root = Path(os.path.commonpath([p.parent for p in files])) if files else Path(".")
+        return root, files
+    raise DataError(f"corpus path {spec!r} does not exist (give a folder, a glob "
+                    "pattern, or a folder/file of tokens made by experiments.prepare_data)")
+
+
+def _read_text(path: Path) -> str:
+    try:
+        return path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise DataError(f"{path} is not UTF-8 text (byte {err.start}: "
+                        f"{err.object[err.start:err.start + 4]!r})") from None
+
+
+def tokenize_files(root: Path, files: list[Path], val_fraction: float) -> tuple[np.ndarray, np.ndarray]:
+    """Token streams of the train and validation files (each document ends with EOS)."""
+    splits: dict[bool, list[np.ndarray]] = {False: [], True: []}
+    for path in files:
+        text = _read_text(path)
+        if text:
+            val = is_validation(path.relative_to(root).as_posix(), val_fraction)
+            splits[val].append(tokenizer.encode(text, eos=True))
+    join = lambda parts: np.concatenate(parts) if parts else np.zeros(0, np.uint16)
+    return join(splits[False]), join(splits[True])
+
+
+def split_tail(tokens: np.ndarray, val_fraction: float) -> tuple[np.ndarray, np.ndarray]:
+    """The last ``val_fraction`` of one stream is validation (for single files)."""
+    cut = int(len(tokens) * (1 - val_fraction))
+    return tokens[:cut], tokens[cut:]
+
+
+def load_token_files(path: Path, val_fraction: float) -> Corpus:
+    """A folder with ``train.bin``/``val.bin`` (+ ``meta.json``), or one ``.bin`` file
+    whose last ``val_fraction`` becomes validation."""
+    folder = path if path.is_dir() else path.parent
+    meta_path = folder / "meta.json"
+    meta = json.loads(meta_path.read_text()) if meta_path.exists() else {}
+    dtype = meta.get("dtype", "uint16")
+    if dtype not in TOKEN_DTYPES:
+        raise DataError(f"{meta_path}: dtype {dtype!r} is not one of {sorted(TOKEN_DTYPES)}")
+    vocab = int(meta.get("vocab_size", tokenizer.VOCAB_SIZE))
+    if path.is_dir():
+        train = np.memmap(path / "train.bin", dtype=TOKEN_DTYPES[dtype], mode="r")
+        val = np.memmap(path / "val.bin", dtype=TOKEN_DTYPES[dtype], mode="r")
+    else:
+        train, val = split_tail(np.memmap(path, dtype=TOKEN_DTYPES[dtype], mode="r"),
+                                val_fraction)
+    return Corpus(train, val, str(path), vocab)
+
+
+def load_corpus(path: str | None = None, val_fraction: float = 0.05) -> Corpus:
+    """The corpus at ``path``; ``None`` is the built-in Python stdlib corpus."""
+    if not 0 < val_fraction < 1:
+        raise DataError(f"val_fraction={val_fraction} must lie strictly between 0 and 1")
+    if path is not None:
+        p = Path(path).expanduser()
+        if (p.is_dir() and (p / "train.bin").exists()) or (p.is_file() and p.suffix == ".bin"):
+            corpus = load_token_files(p, val_fraction)
+        elif p.is_file():
+            tokens = tokenizer.encode(_read_text(p), eos=True)
+            corpus = Corpus(*split_tail(tokens, val_fraction), source=path)
+        else:
+            corpus = None
+        if corpus is not None:
+            _check_nonempty(corpus)
+            return corpus
+        root, files = text_files(path)
+        source = path
+    else:
+        root, files = stdlib_files()
+        source = f"python stdlib ({root})"
+    if not files:
+        raise DataError(f"no files found in corpus {source!r}")
+    train, val = tokenize_files(root, files, val_fraction)
+    corpus = Corpus(train, val, source)
+    _check_nonempty(corpus)
+    return corpus
+
+
+def _check_nonempty(corpus: Corpus) -> None:
+    for name in ("train", "val"):
+        if len(getattr(corpus, name)) == 0:
+            raise DataError(f"the {name} split of corpus {corpus.source!r} is empty "
+                            "(too few files or too small a val_fraction)")
+
+
+def unigram_entropy(tokens: np.ndarray) -> float:
+    """Entropy in nats of the token frequencies (the loss of the best unigram model)."""
+    counts = np.bincount(np.asarray(tokens, dtype=np.int64))
+    p = counts[counts > 0] / counts.sum()
+    return float(-(p * np.log(p)).sum())

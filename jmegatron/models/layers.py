@@ -1,0 +1,147 @@
+"""Transformer building blocks. Every parameter carries its logical axes."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jmegatron.models.config import GPTConfig
+from jmegatron.sharding import rules as ax
+from jmegatron.sharding.rules import (active_mesh_and_rules, constrain, logical_to_spec,
+                                      mesh_axes_of)
+
+
+def param(rngs: nnx.Rngs, shape: tuple[int, ...], logical: tuple[str | None, ...],
+          std: float | None) -> nnx.Param:
+    """An fp32 parameter, normal(0, std) (ones when std is None), named by logical axes.
+
+    The names are logical, not mesh axes, so Flax must not try to shard the
+    value with them (``eager_sharding=False``); ``create_sharded`` maps them
+    to mesh axes through a rules table.
+    """
+    if std is None:
+        value = jnp.ones(shape, jnp.float32)
+    else:
+        value = std * jax.random.normal(rngs.params(), shape, jnp.float32)
+    return nnx.Param(value, out_sharding=logical, eager_sharding=False)
+
+
+def embed_lookup(table: jax.Array, tokens: jax.Array) -> jax.Array:
+    """Rows of ``table`` [V, D] for ``tokens`` [B, T]; vocab-parallel when sharded.
+
+    With the vocabulary split over devices (Megatron), each device looks up the
+    tokens that fall in its slice, zeros the others, and one all-reduce of
+    [B, T, D] combines them. (Left to XLA, the gather of a table sharded over
+    both vocab and embed replicates the whole activation.)
+    """
+    active = active_mesh_and_rules()
+    vocab_axes = () if active is None else tuple(
+        a for a in mesh_axes_of(ax.VOCAB, active[1]) if active[0].shape[a] > 1)
+    if not vocab_axes:
+        return constrain(table[tokens], (ax.BATCH, ax.SEQ, ax.ACT_EMBED))
+    mesh, rules = active
+
+    def local(table_block, tokens_block):   # [V/tp, D], [B/dp, T]
+        v_local = table_block.shape[0]
+        ids = tokens_block - jax.lax.axis_index(vocab_axes) * v_local
+        here = (ids >= 0) & (ids < v_local)
+        rows = table_block[jnp.clip(ids, 0, v_local - 1)]
+        return jax.lax.psum(jnp.where(here[..., None], rows, 0), vocab_axes)
+
+    return jax.shard_map(
+        local, mesh=mesh,
+        in_specs=(jax.P(vocab_axes, None), logical_to_spec((ax.BATCH, ax.SEQ), rules)),
+        out_specs=logical_to_spec((ax.BATCH, ax.SEQ, ax.ACT_EMBED), rules))(table, tokens)
+
+
+def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
+    """RMSNorm computed in fp32, returned in x's dtype."""
+    x32 = x.astype(jnp.float32)
+    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return (x32 * scale.astype(jnp.float32)).astype(x.dtype)
+
+
+def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
+    """Rotary position embedding (rotate-half form) on x [B, T, heads, H]."""
+    half = x.shape[-1] // 2
+    freq = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)   # [H/2]
+    angle = positions[:, None].astype(jnp.float32) * freq            # [T, H/2]
+    cos = jnp.cos(angle)[None, :, None, :]
+    sin = jnp.sin(angle)[None, :, None, :]
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x.dtype)
+
+
+class Attention(nnx.Module):
+    """Grouped-query attention with a fused, column-parallel QKV weight.
+
+    The QKV weight is [D, K, G+2, H]: for each of the K key/value heads, its
+    G = N/K query heads, then its key, then its value (Megatron's layout), so
+    sharding the K axis over `tensor` keeps each group on one device.
+    """
+
+    def __init__(self, cfg: GPTConfig, rngs: nnx.Rngs):
+        d, k, g, h = cfg.d_model, cfg.n_kv_heads, cfg.group_size, cfg.resolved_head_dim
+        out_std = cfg.init_std / (2 * cfg.n_layers) ** 0.5
+        self.qkv = param(rngs, (d, k, g + 2, h), (ax.EMBED, ax.KV_HEADS, ax.QKV, ax.HEAD_DIM),
+                         cfg.init_std)
+        self.out = param(rngs, (cfg.n_heads, h, d), (ax.HEADS, ax.HEAD_DIM, ax.EMBED), out_std)
+        if cfg.qk_norm:
+            self.q_norm = param(rngs, (h,), (ax.NORM,), None)
+            self.k_norm = param(rngs, (h,), (ax.NORM,), None)
+        self.cfg = cfg
+
+    def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+        cfg = self.cfg
+        b, t, _ = x.shape
+        qkv = jnp.einsum("btd,dkgh->btkgh", x, self.qkv[...].astype(x.dtype))
+        qkv = constrain(qkv, (ax.BATCH, ax.SEQ, ax.ACT_KV_HEADS, None, None))
+        g = cfg.group_size
+        q = qkv[:, :, :, :g].reshape(b, t, cfg.n_heads, -1)   # [B, T, N, H]
+        k, v = qkv[:, :, :, g], qkv[:, :, :, g + 1]            # [B, T, K, H]
+        if cfg.qk_norm:
+            q = rms_norm(q, self.q_norm[...], cfg.norm_eps)
+            k = rms_norm(k, self.k_norm[...], cfg.norm_eps)
+        q, k = rope(q, positions, cfg.rope_theta), rope(k, positions, cfg.rope_theta)
+        y = jax.nn.dot_product_attention(q, k, v, is_causal=True)   # [B, T, N, H]
+        y = constrain(y, (ax.BATCH, ax.SEQ, ax.ACT_HEADS, None))
+        return jnp.einsum("btnh,nhd->btd", y, self.out[...].astype(x.dtype))
+
+
+class SwiGLU(nnx.Module):
+    """SwiGLU MLP: fused gate/up weight [D, 2, F] column-parallel, down row-parallel.
+
+    Fusing gate and up (as Megatron's fc1 does) makes their input gradient one
+    partial sum, hence one all-reduce in the backward pass instead of two.
+    """
+
+    def __init__(self, cfg: GPTConfig, rngs: nnx.Rngs):
+        d, f = cfg.d_model, cfg.d_ff
+        out_std = cfg.init_std / (2 * cfg.n_layers) ** 0.5
+        self.gate_up = param(rngs, (d, 2, f), (ax.EMBED, ax.GLU, ax.MLP), cfg.init_std)
+        self.down = param(rngs, (f, d), (ax.MLP, ax.EMBED), out_std)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        gate_up = jnp.einsum("btd,dgf->btgf", x, self.gate_up[...].astype(x.dtype))
+        gate_up = constrain(gate_up, (ax.BATCH, ax.SEQ, None, ax.ACT_MLP))   # [B, T, 2, F]
+        h = jax.nn.silu(gate_up[:, :, 0]) * gate_up[:, :, 1]
+        return h @ self.down[...].astype(x.dtype)
+
+
+class Block(nnx.Module):
+    """Pre-norm decoder block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, cfg: GPTConfig, rngs: nnx.Rngs):
+        self.attn_norm = param(rngs, (cfg.d_model,), (ax.NORM,), None)
+        self.attn = Attention(cfg, rngs)
+        self.mlp_norm = param(rngs, (cfg.d_model,), (ax.NORM,), None)
+        self.mlp = SwiGLU(cfg, rngs)
+        self.eps = cfg.norm_eps
+
+    def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+        x = x + self.attn(rms_norm(x, self.attn_norm[...], self.eps), positions)
+        x = constrain(x, (ax.BATCH, ax.SEQ, ax.ACT_EMBED))
+        x = x + self.mlp(rms_norm(x, self.mlp_norm[...], self.eps))
+        return constrain(x, (ax.BATCH, ax.SEQ, ax.ACT_EMBED))

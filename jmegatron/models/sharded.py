@@ -1,0 +1,56 @@
+"""Creating NNX modules directly sharded, from the logical axes of their params."""
+
+from __future__ import annotations
+
+from typing import Callable, Mapping, TypeVar
+
+import jax
+from flax import nnx
+from jax.sharding import NamedSharding
+
+from jmegatron.sharding.rules import BATCH, DEFAULT_RULES, Rules, check_divisible, logical_to_spec
+
+M = TypeVar("M", bound=nnx.Module)
+
+
+def validate_sharding(logical_dims: Mapping[str, int], mesh_shape: Mapping[str, int],
+                      rules: Rules = DEFAULT_RULES, batch_size: int | None = None) -> None:
+    """Checks before any compile that every sharded dim divides by its mesh axes.
+
+    ``logical_dims`` comes from the model config (``GPTConfig.logical_dims()``);
+    ``mesh_shape`` from ``mesh.shape`` or ``MeshConfig.resolve(n).sizes()``.
+    Raises ValueError naming the numbers, e.g. "kv_heads=2 is not divisible by tensor=4".
+    """
+    dims = dict(logical_dims)
+    if batch_size is not None:
+        dims[BATCH] = batch_size
+    check_divisible(dims, mesh_shape, rules)
+
+
+def logical_axes(state: nnx.State) -> nnx.State:
+    """The logical axes tuple of every variable (``None`` for unnamed ones)."""
+    return jax.tree.map(lambda v: v.get_metadata().get("out_sharding"), state,
+                        is_leaf=lambda v: isinstance(v, nnx.Variable))
+
+
+def state_shardings(state: nnx.State, mesh: jax.sharding.Mesh,
+                    rules: Rules = DEFAULT_RULES) -> nnx.State:
+    """NamedSharding of every variable in ``state`` under ``rules``."""
+    def sharding(v: nnx.Variable) -> NamedSharding:
+        names = v.get_metadata().get("out_sharding") or (None,) * len(v.shape)
+        return NamedSharding(mesh, logical_to_spec(names, rules))
+
+    return jax.tree.map(sharding, state, is_leaf=lambda v: isinstance(v, nnx.Variable))
+
+
+def create_sharded(make: Callable[[], M], mesh: jax.sharding.Mesh | None,
+                   rules: Rules = DEFAULT_RULES) -> M:
+    """Runs ``make()`` under ``jit`` with every param born in its final sharding.
+
+    No full copy of the model ever exists on one device or on the host
+    (``mesh=None`` creates it on the default device).
+    """
+    graphdef, abstract = nnx.split(nnx.eval_shape(make))
+    out = None if mesh is None else state_shardings(abstract, mesh, rules)
+    state = jax.jit(lambda: nnx.split(make())[1], out_shardings=out)()
+    return nnx.merge(graphdef, state)

@@ -1,0 +1,319 @@
+"""What a compiled program communicates, read from its optimized HLO.
+
+``hlo_collectives(fn, *args)`` compiles ``fn`` and lists every collective
+(all-reduce, all-gather, reduce-scatter, all-to-all, collective-permute) with
+the buffer it moves, the bytes each device sends, the mesh axes its device
+groups span, and how many times it runs per call (loop trip counts applied).
+
+Bytes per device follow the bandwidth-optimal (ring) algorithms, for a group
+of g devices and a buffer of N bytes (the full, unsharded buffer):
+
+  all-reduce           2 (g-1)/g N
+  all-gather           (g-1)/g N      N = gathered output
+  reduce-scatter       (g-1)/g N      N = input before scattering
+  all-to-all           (g-1)/g N
+  collective-permute   N
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import re
+from typing import Any, Callable, Sequence
+
+import jax
+import numpy as np
+
+KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all",
+         "collective-permute", "ragged-all-to-all")
+
+_DTYPE_BYTES = {
+    "pred": 1, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "s16": 2, "u16": 2,
+    "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8,
+    "f64": 8, "c64": 8, "c128": 16,
+}
+_OPS = "|".join(sorted((k + s for k in KINDS for s in ("", "-start")), key=len, reverse=True))
+_INSTR = re.compile(rf"^\s*(?:ROOT\s+)?%?(?P<name>[\w.\-]+) = (?P<shape>.*?) (?P<op>{_OPS})\((?P<rest>.*)$")
+_COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?(?P<name>[\w.\-]+) \(.*\{\s*$")
+_ARRAY = re.compile(r"(?P<dtype>[a-z]+\d*(?:e\d+m\d+\w*)?)\[(?P<dims>[\d,]*)\]")
+_CALLEE = re.compile(r"(?:body|condition|to_apply|calls|true_computation|false_computation)=%?([\w.\-]+)")
+_BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
+_TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+    """One collective instruction of the optimized HLO."""
+
+    kind: str                    # one of KINDS
+    name: str                    # HLO instruction name
+    computation: str             # HLO computation holding it
+    shape: str                   # HLO result type
+    buffer_bytes: int            # N in the module docstring (all buffers together)
+    buffers: int                 # arrays moved; XLA combines several into one instruction
+    group_size: int              # g
+    axes: tuple[str, ...] | None  # mesh axes the groups span (None: not derivable)
+    executions: int              # runs per call of the program (loop trip counts)
+
+    @property
+    def bytes_per_device(self) -> float:
+        """Bytes one device sends per execution (ring algorithms)."""
+        g, n = self.group_size, self.buffer_bytes
+        if g <= 1:
+            return 0.0
+        if self.kind == "all-reduce":
+            return 2 * (g - 1) / g * n
+        if self.kind == "collective-permute":
+            return float(n)
+        return (g - 1) / g * n
+
+
+@dataclasses.dataclass(frozen=True)
+class CollectiveReport:
+    """All collectives of one compiled program."""
+
+    collectives: tuple[Collective, ...]
+    unknown_trip_counts: bool = False   # some loop had no static trip count (counted once)
+
+    def select(self, kind: str | None = None,
+               axes: Sequence[str] | None = None) -> list[Collective]:
+        """Collectives of ``kind`` (e.g. "all-reduce") spanning exactly ``axes``."""
+        if kind is not None and kind not in KINDS:
+            raise ValueError(f"unknown collective kind {kind!r}; one of {KINDS}")
+        want = None if axes is None else tuple(sorted(axes))
+        return [c for c in self.collectives
+                if (kind is None or c.kind == kind)
+                and (want is None or (c.axes is not None and tuple(sorted(c.axes)) == want))]
+
+    def count(self, kind: str | None = None, axes: Sequence[str] | None = None) -> int:
+        """Buffers moved per call by the matching collectives.
+
+        This is the count a paper quotes ("2 all-reduces per layer"): an
+        instruction into which XLA combined k all-reduces counts k times.
+        """
+        return sum(c.buffers * c.executions for c in self.select(kind, axes))
+
+    def launches(self, kind: str | None = None, axes: Sequence[str] | None = None) -> int:
+        """Collective instructions executed per call (combined ones count once)."""
+        return sum(c.executions for c in self.select(kind, axes))
+
+    def bytes_per_device(self, kind: str | None = None,
+                         axes: Sequence[str] | None = None) -> float:
+        """Bytes one device sends per call through the matching collectives."""
+        return sum(c.bytes_per_device * c.executions for c in self.select(kind, axes))
+
+    def table(self) -> str:
+        """A printable summary grouped by kind and mesh axes."""
+        rows: dict[tuple[str, str], list[float]] = {}
+        for c in self.collectives:
+            key = (c.kind, ",".join(c.axes) if c.axes is not None else "?")
+            row = rows.setdefault(key, [0, 0.0])
+            row[0] += c.buffers * c.executions
+            row[1] += c.bytes_per_device * c.executions
+        lines = [f"{'collective':<20} {'mesh axes':<22} {'count':>6} {'bytes/device':>14}"]
+        for (kind, axes), (n, b) in sorted(rows.items()):
+            lines.append(f"{kind:<20} {axes:<22} {n:>6} {b:>14,.0f}")
+        if not rows:
+            lines.append("(no collectives)")
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.table()
+
+
+def hlo_collectives(fn: Callable[..., Any], *args: Any,
+                    mesh: jax.sharding.Mesh | None = None, **kwargs: Any) -> CollectiveReport:
+    """Compiles ``fn(*args, **kwargs)`` and reports the collectives of its optimized HLO.
+
+    ``fn`` may be jitted already. Mesh axes are derived from ``mesh``, or from
+    the first NamedSharding found among the arguments.
+    """
+    jitted = fn if hasattr(fn, "lower") else jax.jit(fn)
+    compiled = jitted.lower(*args, **kwargs).compile()
+    if mesh is None:
+        mesh = _mesh_of(args, kwargs)
+    return parse_collectives(compiled.as_text(), mesh)
+
+
+def parse_collectives(hlo_text: str, mesh: jax.sharding.Mesh | None = None) -> CollectiveReport:
+    """Collectives of an optimized HLO module given as text."""
+    computations, entry = _split_computations(hlo_text)
+    runs, unknown = _executions(computations, entry)
+    partitions = re.search(r"num_partitions=(\d+)", hlo_text)
+    n_devices = mesh.size if mesh is not None else int(partitions[1]) if partitions else 1
+    found = []
+    for comp, lines in computations.items():
+        for line in lines:
+            m = _INSTR.match(line)
+            if m:
+                found.append(_collective(m, comp, runs.get(comp, 0), mesh, n_devices))
+    return CollectiveReport(tuple(c for c in found if c.executions), unknown)
+
+
+def _mesh_of(args, kwargs) -> jax.sharding.Mesh | None:
+    for leaf in jax.tree.leaves((args, kwargs)):
+        sharding = getattr(leaf, "sharding", None)
+        if isinstance(sharding, jax.sharding.NamedSharding):
+            return sharding.mesh
+    return None
+
+
+def _split_computations(text: str) -> tuple[dict[str, list[str]], str | None]:
+    computations: dict[str, list[str]] = {}
+    current, entry = None, None
+    for line in text.splitlines():
+        header = _COMPUTATION.match(line)
+        if header and not line.startswith(" "):
+            current = header["name"]
+            computations[current] = []
+            if line.startswith("ENTRY"):
+                entry = current
+        elif current is not None:
+            computations[current].append(line)
+    return computations, entry
+
+
+def _executions(computations: dict[str, list[str]], entry: str | None):
+    """Times each computation runs per call, multiplying loop trip counts."""
+    runs: dict[str, int] = {}
+    unknown = False
+
+    def visit(comp: str, times: int) -> None:
+        nonlocal unknown
+        runs[comp] = runs.get(comp, 0) + times
+        for line in computations.get(comp, ()):
+            callees = _CALLEE.findall(line)
+            for group in _BRANCHES.findall(line):
+                callees += [c.strip().lstrip("%") for c in group.split(",")]
+            if not callees:
+                continue
+            trips = 1
+            if " while(" in line:
+                trip = _TRIP.search(line)
+                unknown |= trip is None
+                trips = int(trip[1]) if trip else 1
+            for callee in callees:
+                if callee in computations and callee != comp:
+                    visit(callee, times * trips)
+
+    if entry is not None:
+        visit(entry, 1)
+    return runs, unknown
+
+
+def _collective(m: re.Match, comp: str, runs: int, mesh, n_devices: int) -> Collective:
+    kind = m["op"].removesuffix("-start")
+    rest = m["rest"]
+    arrays = [_array_bytes(a) for a in _ARRAY.finditer(m["shape"])]
+    if m["op"] == "all-gather-start":     # ((operands...), (results...)): keep the results
+        arrays = arrays[len(arrays) // 2:]
+    elif m["op"] == "collective-permute-start":   # (operand, result, contexts...)
+        arrays = arrays[:1]
+    buffers = 1 if kind.endswith("all-to-all") else len(arrays)
+    groups = _groups(rest)
+    size = len(groups[0]) if groups else n_devices
+    nbytes = int(sum(arrays))
+    if kind == "reduce-scatter":
+        nbytes *= size
+    if kind == "collective-permute":
+        pairs = _pairs(rest)
+        axes = _permute_axes(pairs, mesh) if mesh is not None else None
+        size = 2 if pairs else 1
+    else:
+        axes = _group_axes(groups, mesh) if mesh is not None else None
+    return Collective(kind, m["name"], comp, m["shape"], nbytes, buffers, size, axes, runs)
+
+
+def _array_bytes(match: re.Match) -> float:
+    dims = [int(d) for d in match["dims"].split(",") if d]
+    dtype = match["dtype"]
+    width = _DTYPE_BYTES.get(dtype, 1 if dtype.startswith("f8") else 4)
+    return width * int(np.prod(dims, dtype=np.int64))
+
+
+def _groups(rest: str) -> list[list[int]]:
+    """Replica groups, in any of XLA's printed forms: explicit ``{{0,1},{2,3}}``,
+    iota ``[2,2]<=[4]``, or mesh axes ``mesh['a'=2,'b'=2] {'b'}``."""
+    m = re.search(r"replica_groups=\{((?:\{[\d,]*\},?)*)\}", rest)
+    if m:
+        return [[int(x) for x in g.split(",") if x]
+                for g in re.findall(r"\{([\d,]*)\}", m[1])]
+    m = re.search(r"replica_groups=(\[[\d,]+\]<=\[[\d,]+\](?:T\([\d,]+\))?)", rest)
+    if m:
+        return _iota(m[1]).tolist()
+    m = re.search(r"replica_groups=mesh\[([^\]]*)\](?:, device_ids=\((.*?)\))? \{([^}]*)\}", rest)
+    if m:
+        return _mesh_groups(m[1], m[2], m[3])
+    return []
+
+
+def _iota(text: str) -> np.ndarray:
+    """Device ids of XLA's iota forms ``[shape]<=[dims]T(perm)`` or ``[dims]T(perm)``."""
+    m = re.fullmatch(r"\[([\d,]+)\](?:<=\[([\d,]+)\])?(?:T\(([\d,]+)\))?", text.strip())
+    shape = [int(x) for x in m[1].split(",")]
+    dims = [int(x) for x in m[2].split(",")] if m[2] else shape
+    ids = np.arange(int(np.prod(dims))).reshape(dims)
+    if m[3]:
+        ids = ids.transpose([int(x) for x in m[3].split(",")])
+    return ids.reshape(shape)
+
+
+def _mesh_groups(axes_text: str, device_text: str | None, group_text: str) -> list[list[int]]:
+    """Groups of ``mesh['x'=4,'y'=2] {'y'}``: devices that differ only along the
+    listed axes (a sub-axis ``'x':(pre)size`` selects part of one axis)."""
+    axes = [(n.strip("'\""), int(s)) for n, s in
+            (a.rsplit("=", 1) for a in axes_text.split(",") if a)]
+    sizes = [s for _, s in axes]
+    if device_text and ("<=" in device_text or "T(" in device_text):
+        ids = _iota(device_text).reshape(sizes)
+    elif device_text:
+        ids = np.array([int(x) for x in re.findall(r"\d+", device_text)]).reshape(sizes)
+    else:
+        ids = np.arange(int(np.prod(sizes))).reshape(sizes)
+    picked = {}
+    for name, pre, sub in re.findall(r"'?([\w.\-]+)'?(?::\((\d+)\)(\d+))?", group_text):
+        picked[name] = (int(pre), int(sub)) if pre else None
+    # Split every axis into (major, selected, minor) parts; groups vary the selected ones.
+    split, keep = [], []
+    for i, (name, size) in enumerate(axes):
+        pre, sub = picked.get(name) or (1, size)
+        split += [pre, sub, size // (pre * sub)]
+        if name in picked:
+            keep.append(3 * i + 1)
+    ids = np.moveaxis(ids.reshape(split), keep, range(len(split) - len(keep), len(split)))
+    return ids.reshape(-1, int(np.prod([split[k] for k in keep]))).tolist()
+
+
+def _pairs(rest: str) -> list[tuple[int, int]]:
+    m = re.search(r"source_target_pairs=\{(.*?)\}\}", rest)
+    if not m:
+        return []
+    return [(int(a), int(b)) for a, b in re.findall(r"\{(\d+),(\d+)", m[1] + "}")]
+
+
+def _group_axes(groups: list[list[int]], mesh) -> tuple[str, ...] | None:
+    """The smallest set of mesh axes whose device groups equal ``groups``."""
+    ids = np.arange(mesh.size).reshape(tuple(mesh.shape.values()))
+    names = list(mesh.shape)
+    if not groups:
+        return tuple(n for n in names if mesh.shape[n] > 1)
+    want = {frozenset(g) for g in groups}
+    live = [i for i, n in enumerate(names) if mesh.shape[n] > 1]
+    for r in range(len(live) + 1):
+        for subset in itertools.combinations(live, r):
+            moved = np.moveaxis(ids, subset, range(len(names) - r, len(names)))
+            got = {frozenset(g) for g in moved.reshape(-1, max(1, int(np.prod(
+                [ids.shape[i] for i in subset])))).tolist()}
+            if got == want:
+                return tuple(names[i] for i in subset)
+    return None
+
+
+def _permute_axes(pairs: list[tuple[int, int]], mesh) -> tuple[str, ...] | None:
+    shape = tuple(mesh.shape.values())
+    differ: set[int] = set()
+    for src, dst in pairs:
+        a, b = np.unravel_index(src, shape), np.unravel_index(dst, shape)
+        differ |= {i for i in range(len(shape)) if a[i] != b[i]}
+    return tuple(n for i, n in enumerate(mesh.shape) if i in differ)

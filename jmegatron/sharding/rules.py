@@ -1,0 +1,147 @@
+"""Logical axis names and the rules that map them to mesh axes.
+
+Model code names logical axes only (``('layers', 'embed', 'mlp')``); a rules
+table, chosen per parallel setup, says which mesh axes shard each of them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import math
+from typing import Iterable, Mapping, Sequence
+
+import jax
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from jmegatron.sharding.mesh import BATCH_AXES
+
+# Parameter axes.
+LAYERS, EMBED, MLP, HEADS, KV_HEADS, HEAD_DIM, VOCAB, EXPERTS = (
+    "layers", "embed", "mlp", "heads", "kv_heads", "head_dim", "vocab", "experts")
+QKV = "qkv"     # the query-group / key / value slot of a fused QKV weight
+GLU = "glu"     # the gate / up slot of a fused SwiGLU input weight
+NORM = "norm"   # scale vectors of norms (tiny; replicated)
+# Activation axes.
+BATCH, SEQ = "batch", "seq"
+ACT_EMBED, ACT_MLP, ACT_HEADS, ACT_KV_HEADS, ACT_VOCAB = (
+    "act_embed", "act_mlp", "act_heads", "act_kv_heads", "act_vocab")
+
+MeshAxes = str | tuple[str, ...] | None
+Rules = tuple[tuple[str, MeshAxes], ...]
+
+# Megatron tensor parallelism (column-parallel QKV and MLP-in, row-parallel
+# outputs, vocab-parallel embedding and head), ZeRO-3 over `fsdp` (params
+# sharded along `embed`, gathered for use), data parallelism over the rest.
+# An axis of size 1 costs nothing, so this one table serves every product of
+# data, fsdp and tensor; experts are spread over `expert`.
+DEFAULT_RULES: Rules = (
+    (LAYERS, None),
+    (EMBED, "fsdp"),
+    (MLP, "tensor"),
+    (HEADS, "tensor"),
+    (KV_HEADS, "tensor"),
+    (HEAD_DIM, None),
+    (QKV, None),
+    (GLU, None),
+    (VOCAB, "tensor"),
+    (EXPERTS, "expert"),
+    (NORM, None),
+    (BATCH, BATCH_AXES),
+    (SEQ, None),
+    (ACT_EMBED, None),
+    (ACT_MLP, "tensor"),
+    (ACT_HEADS, "tensor"),
+    (ACT_KV_HEADS, "tensor"),
+    (ACT_VOCAB, "tensor"),
+)
+
+# Plain data parallelism: every parameter replicated, only the batch split.
+DATA_PARALLEL_RULES: Rules = tuple(
+    (name, BATCH_AXES if name == BATCH else None) for name, _ in DEFAULT_RULES)
+
+
+def with_rules(base: Rules, **overrides: MeshAxes) -> Rules:
+    """Returns ``base`` with some logical axes mapped elsewhere."""
+    unknown = set(overrides) - {name for name, _ in base}
+    if unknown:
+        raise ValueError(f"unknown logical axes {sorted(unknown)}")
+    return tuple((name, overrides.get(name, axes)) for name, axes in base)
+
+
+def _as_tuple(axes: MeshAxes) -> tuple[str, ...]:
+    if axes is None:
+        return ()
+    return (axes,) if isinstance(axes, str) else tuple(axes)
+
+
+def mesh_axes_of(logical: str | None, rules: Rules) -> tuple[str, ...]:
+    """Mesh axes that shard one logical axis (``()`` for replicated)."""
+    if logical is None:
+        return ()
+    table = dict(rules)
+    if logical not in table:
+        raise ValueError(f"logical axis {logical!r} has no rule; known: {sorted(table)}")
+    return _as_tuple(table[logical])
+
+
+def logical_to_spec(logical_axes: Sequence[str | None], rules: Rules) -> P:
+    """PartitionSpec for an array whose dims carry ``logical_axes``.
+
+    A mesh axis already used by an earlier dim is dropped from later ones (an
+    array cannot be split twice over the same devices).
+    """
+    used: set[str] = set()
+    spec = []
+    for logical in logical_axes:
+        axes = tuple(a for a in mesh_axes_of(logical, rules) if a not in used)
+        used.update(axes)
+        spec.append(None if not axes else axes[0] if len(axes) == 1 else axes)
+    return P(*spec)
+
+
+def check_divisible(dims: Mapping[str, int], mesh_shape: Mapping[str, int],
+                    rules: Rules) -> None:
+    """Raises ValueError if a logical dim does not divide by the mesh axes sharding it.
+
+    ``dims`` maps logical axis names to sizes, e.g. ``{'heads': 6, 'batch': 12}``.
+    """
+    for logical, size in dims.items():
+        axes = [a for a in mesh_axes_of(logical, rules) if mesh_shape.get(a, 1) > 1]
+        parts = math.prod(mesh_shape[a] for a in axes)
+        if size % parts:
+            split = " x ".join(f"{a}={mesh_shape[a]}" for a in axes)
+            raise ValueError(f"{logical}={size} is not divisible by {split}"
+                             f"{f' = {parts}' if len(axes) > 1 else ''}")
+
+
+# --- activation sharding constraints ----------------------------------------
+
+_ACTIVE: contextvars.ContextVar[tuple[jax.sharding.Mesh, Rules] | None] = (
+    contextvars.ContextVar("jmegatron_activation_sharding", default=None))
+
+
+@contextlib.contextmanager
+def activation_sharding(mesh: jax.sharding.Mesh | None, rules: Rules = DEFAULT_RULES):
+    """Within this context (while tracing), ``constrain`` pins activations to
+    ``mesh`` under ``rules``; outside it, ``constrain`` does nothing."""
+    token = _ACTIVE.set(None if mesh is None else (mesh, rules))
+    try:
+        yield
+    finally:
+        _ACTIVE.reset(token)
+
+
+def constrain(x: jax.Array, logical_axes: Iterable[str | None]) -> jax.Array:
+    """Sharding constraint on an activation named by logical axes."""
+    active = _ACTIVE.get()
+    if active is None:
+        return x
+    mesh, rules = active
+    spec = logical_to_spec(tuple(logical_axes), rules)
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+
+
+def active_mesh_and_rules() -> tuple[jax.sharding.Mesh, Rules] | None:
+    """The (mesh, rules) of the enclosing ``activation_sharding``, if any."""
+    return _ACTIVE.get()

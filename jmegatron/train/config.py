@@ -1,0 +1,101 @@
+"""Typed configuration of a training run (the CLI is generated from these)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+from jmegatron.models.config import GPTConfig
+from jmegatron.sharding.mesh import MeshConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    """Where tokens come from."""
+
+    path: str | None = None
+    """Folder or glob of UTF-8 text files, a single text file, or a token folder/.bin
+    made by `python -m experiments.prepare_data`. Default: the Python stdlib sources."""
+    val_fraction: float = 0.05
+    """Share of files (or of the token stream) held out for validation."""
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimConfig:
+    """Optimizer and learning-rate schedule."""
+
+    name: Literal["adamw"] = "adamw"
+    lr: float = 3e-3
+    """Peak learning rate."""
+    schedule: Literal["cosine", "linear", "wsd", "constant"] = "cosine"
+    """Decay after warmup: cosine, linear, warmup-stable-decay, or none."""
+    warmup_steps: int = 30
+    min_lr_ratio: float = 0.1
+    """Final learning rate as a fraction of the peak."""
+    decay_fraction: float = 0.2
+    """wsd only: the share of steps spent decaying at the end."""
+    b1: float = 0.9
+    b2: float = 0.95
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    """Decoupled weight decay on matrices and embeddings (never on norm scales)."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this (0 disables)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """One training run: model, mesh, data, optimizer and loop settings."""
+
+    model: GPTConfig = GPTConfig()
+    mesh: MeshConfig = MeshConfig(data=2, fsdp=-1, tensor=2)
+    """Device mesh; the preset's default shrinks to fit machines with fewer devices."""
+    data: DataConfig = DataConfig()
+    optim: OptimConfig = OptimConfig()
+    steps: int = 300
+    """Optimizer steps to take."""
+    batch_size: int = 32
+    """Global batch in sequences (split over data x fsdp x expert)."""
+    seq_len: int = 128
+    """Tokens per training sequence T."""
+    microbatches: int = 1
+    """Gradient accumulation: the batch is processed in this many pieces."""
+    z_loss: float = 0.0
+    """Weight of the log-partition penalty z_loss * log(Z)^2 (PaLM)."""
+    eval_every: int = 100
+    """Evaluate on the validation split and print samples every this many steps."""
+    eval_batches: int = 4
+    """Fixed validation batches per evaluation."""
+    log_every: int = 10
+    """Write a metrics line every this many steps."""
+    sample_prompt: str = "def "
+    """Text the samples continue."""
+    sample_tokens: int = 100
+    """Length of each sample in tokens (bytes)."""
+    top_k: int = 10
+    """Top-k sampling for the second sample (the first is greedy)."""
+    seed: int = 0
+    """Seeds the initialization, the batch order and the samples."""
+    out_dir: str = "runs"
+    """Folder that holds the run folders."""
+    name: str | None = None
+    """Run folder name under out_dir (default: a timestamp)."""
+    cpu_devices: int = 8
+    """Virtual devices when running on CPU (set before JAX starts)."""
+    progress: bool = True
+    """Show a progress bar."""
+
+    def __post_init__(self):
+        checks = {"steps": self.steps, "batch_size": self.batch_size, "seq_len": self.seq_len,
+                  "microbatches": self.microbatches, "eval_every": self.eval_every,
+                  "eval_batches": self.eval_batches, "log_every": self.log_every}
+        bad = {k: v for k, v in checks.items() if v < 1}
+        if bad:
+            raise ValueError(f"these settings must be >= 1: {bad}")
+        if self.batch_size % self.microbatches:
+            raise ValueError(f"batch_size={self.batch_size} is not divisible by "
+                             f"microbatches={self.microbatches}")
+
+    @property
+    def microbatch_size(self) -> int:
+        return self.batch_size // self.microbatches

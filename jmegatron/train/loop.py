@@ -1,0 +1,225 @@
+"""The training loop: set up, train, evaluate, sample, record, summarize."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding
+from tqdm import tqdm
+
+from jmegatron.data import Corpus, eval_batch, load_corpus, make_batch, unigram_entropy
+from jmegatron.data.corpus import DataError
+from jmegatron.models import GPT, GPTConfig, validate_sharding
+from jmegatron.sharding import DEFAULT_RULES, MeshConfig, Rules, logical_to_spec, make_mesh
+from jmegatron.sharding import rules as ax
+from jmegatron.train.config import TrainConfig
+from jmegatron.train.metrics import MetricsWriter, jsonable, measure_matmul_rate
+from jmegatron.train.optimizer import make_optimizer
+from jmegatron.train.plots import plot_runs
+from jmegatron.train.sample import make_sampler, sample_texts
+from jmegatron.train.state import create_train_state
+from jmegatron.train.step import make_eval_step, make_loss_fn, make_train_step
+
+
+def fit_mesh(requested: MeshConfig, n_devices: int, shrink: bool) -> MeshConfig:
+    """``requested`` resolved for ``n_devices``; with ``shrink`` (a preset's default
+    mesh), data then tensor are halved until it fits instead of failing."""
+    mesh = requested
+    while shrink and n_devices % (mesh.data * mesh.tensor):
+        field = "data" if mesh.data > 1 else "tensor"
+        mesh = dataclasses.replace(mesh, **{field: getattr(mesh, field) // 2})
+    return mesh.resolve(n_devices)
+
+
+def check_lengths(corpus: Corpus, seq_len: int) -> None:
+    """Both splits must hold at least one window of seq_len + 1 tokens."""
+    for split in ("train", "val"):
+        n = len(getattr(corpus, split))
+        if n < seq_len + 1:
+            raise DataError(f"seq_len={seq_len} needs at least {seq_len + 1} tokens, but the "
+                            f"{split} split of {corpus.source!r} has only {n}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """A run's settings after every check, before anything is compiled."""
+
+    mesh: MeshConfig         # resolved for the devices present
+    model: GPTConfig         # vocabulary from the corpus, padded for the mesh
+    corpus: Corpus
+    rules: Rules
+
+
+def plan_run(cfg: TrainConfig) -> Plan:
+    """Resolves and checks mesh, corpus, model and batch; raises ValueError (or
+    DataError) naming the numbers or path, before any compile."""
+    mesh = fit_mesh(cfg.mesh, jax.device_count(), shrink=cfg.mesh == TrainConfig().mesh)
+    corpus = load_corpus(cfg.data.path, cfg.data.val_fraction)
+    check_lengths(corpus, cfg.seq_len)
+    if cfg.model.vocab_size < corpus.vocab_size:
+        raise ValueError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the "
+                         f"corpus vocabulary ({corpus.vocab_size}, {corpus.source!r})")
+    model = cfg.model.pad_vocab(mesh.tensor)
+    validate_sharding(model.logical_dims(), mesh.sizes(), DEFAULT_RULES, cfg.microbatch_size)
+    return Plan(mesh, model, corpus, DEFAULT_RULES)
+
+
+class Trainer:
+    """Everything a run needs, built once; ``run()`` trains."""
+
+    def __init__(self, cfg: TrainConfig, plan: Plan | None = None, log=print):
+        plan = plan or plan_run(cfg)
+        self.cfg, self.log = cfg, log
+        self.mesh_cfg, self.model_cfg, self.corpus, self.rules = (
+            plan.mesh, plan.model, plan.corpus, plan.rules)
+        self.mesh = make_mesh(self.mesh_cfg)
+        self.batch_sharding = NamedSharding(self.mesh,
+                                            logical_to_spec((ax.BATCH, ax.SEQ), self.rules))
+        make_model = lambda: GPT(self.model_cfg, nnx.Rngs(cfg.seed))
+        abstract_params = nnx.split(nnx.eval_shape(make_model))[1]
+        self.tx, self.schedule = make_optimizer(cfg.optim, cfg.steps, abstract_params)
+        self.graphdef, self.state = create_train_state(make_model, self.tx, self.mesh,
+                                                       self.rules)
+        loss_fn = make_loss_fn(self.graphdef, self.model_cfg, self.mesh, self.rules, cfg.z_loss)
+        self.train_step = make_train_step(loss_fn, self.tx, self.schedule, cfg.microbatches,
+                                          self.mesh, self.rules)
+        self.eval_step = make_eval_step(loss_fn)
+        self.sampler = make_sampler(self.graphdef, self.model_cfg, self.mesh, self.rules,
+                                    cfg.top_k)
+
+    def batch(self, step: int) -> jax.Array:
+        c = self.cfg
+        return make_batch(self.corpus.train, c.batch_size, c.seq_len, c.seed, step,
+                          self.batch_sharding)
+
+    def evaluate(self) -> float:
+        """Mean validation loss over the fixed eval batches."""
+        c = self.cfg
+        losses = [self.eval_step(self.state.params, eval_batch(
+            self.corpus.val, c.batch_size, c.seq_len, c.seed, i, self.batch_sharding))
+            for i in range(c.eval_batches)]
+        return float(np.mean(jax.device_get(losses)))
+
+    def samples(self, step: int) -> tuple[str, str]:
+        c = self.cfg
+        return sample_texts(self.sampler, self.state.params, c.sample_prompt, c.sample_tokens,
+                            c.seq_len, self.mesh, self.rules, c.seed + step)
+
+    def run(self) -> dict:
+        """Trains for ``cfg.steps`` steps and returns the summary."""
+        run = Run(self)
+        try:
+            return run.loop()
+        finally:
+            run.close()
+
+
+class Run:
+    """The outputs of one run: run folder, metrics, samples, plot and summary."""
+
+    def __init__(self, trainer: Trainer):
+        self.t, cfg = trainer, trainer.cfg
+        self.dir = Path(cfg.out_dir) / (cfg.name or time.strftime("%Y%m%d-%H%M%S"))
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.metrics = MetricsWriter(self.dir)
+        self.entropy = unigram_entropy(trainer.corpus.val)
+        self.flops_per_token = trainer.model_cfg.flops_per_token(cfg.seq_len)
+        self.peak = measure_matmul_rate(trainer.mesh, trainer.model_cfg.dtype)
+        self._write_config()
+        self._announce()
+
+    def _write_config(self) -> None:
+        t = self.t
+        record = {"config": dataclasses.asdict(t.cfg), "mesh": t.mesh_cfg.sizes(),
+                  "padded_vocab": t.model_cfg.vocab, "params": t.model_cfg.param_count(),
+                  "corpus": t.corpus.source, "devices": [str(d) for d in jax.devices()]}
+        (self.dir / "config.json").write_text(json.dumps(record, indent=2))
+
+    def _announce(self) -> None:
+        t = self.t
+        t.log(f"jmegatron | {jax.device_count()} x {jax.devices()[0].device_kind} | "
+              f"mesh {t.mesh_cfg} | {t.model_cfg.param_count() / 1e6:.2f}M params | "
+              f"corpus {t.corpus.source}: {len(t.corpus.train):,} train / "
+              f"{len(t.corpus.val):,} val tokens | val unigram entropy {self.entropy:.3f} | "
+              f"run dir {self.dir}")
+
+    def loop(self) -> dict:
+        t, cfg = self.t, self.t.cfg
+        tokens_per_step = cfg.batch_size * cfg.seq_len
+        bar = tqdm(total=cfg.steps, disable=not cfg.progress, dynamic_ncols=True, desc="train")
+        start = time.perf_counter()
+        mark, mark_step, last, eval_loss = start, 0, {}, float("nan")
+        for step in range(cfg.steps):
+            t.state, metrics = t.train_step(t.state, t.batch(step))
+            done = step + 1
+            if done == 1 or done % cfg.log_every == 0 or done == cfg.steps:
+                metrics = jax.device_get(metrics)
+                now = time.perf_counter()
+                # Throughput over the interval; the first step (compile) is not timed.
+                dt = (now - mark) / max(done - mark_step, 1)
+                last = self._log_step(done, metrics, dt if done > 1 else float("nan"))
+                mark, mark_step = now, done
+                bar.set_postfix(loss=f"{last['loss']:.3f}", tok_s=f"{tokens_per_step / dt:,.0f}")
+            if done % cfg.eval_every == 0 or done == cfg.steps:
+                eval_loss = self._evaluate(done)
+                mark = time.perf_counter()   # evaluation time is not training time
+            bar.update(1)
+        bar.close()
+        return self._summarize(time.perf_counter() - start, last, eval_loss)
+
+    def _log_step(self, step: int, metrics: dict, step_time: float) -> dict:
+        t, cfg = self.t, self.t.cfg
+        tokens_per_s = cfg.batch_size * cfg.seq_len / step_time
+        flops = self.flops_per_token * tokens_per_s
+        record = {"step": step, "loss": metrics["loss"], "nll": metrics["nll"],
+                  "z_loss": metrics["z_loss"], "grad_norm": metrics["grad_norm"],
+                  "lr": metrics["lr"], "tokens_per_s": tokens_per_s, "step_time_s": step_time,
+                  "model_flops_per_s": flops, "mfu": flops / self.peak,
+                  "matmul_flops_per_s": self.peak, "skipped_steps": int(t.state.skipped)}
+        self.metrics.write(record)
+        return record
+
+    def _evaluate(self, step: int) -> float:
+        loss = self.t.evaluate()
+        greedy, top_k = self.t.samples(step)
+        self.metrics.write({"step": step, "eval_loss": loss, "eval_ppl": math.exp(loss),
+                            "sample_greedy": greedy, "sample_top_k": top_k})
+        with (self.dir / "samples.txt").open("a") as f:
+            f.write(f"=== step {step} | val loss {loss:.3f}\n--- greedy\n{greedy}\n"
+                    f"--- top-{self.t.cfg.top_k}\n{top_k}\n\n")
+        tqdm.write(f"step {step}: val loss {loss:.3f} (ppl {math.exp(loss):.2f})\n"
+                   f"  greedy: {greedy[:120]!r}\n  top-k:  {top_k[:120]!r}")
+        return loss
+
+    def _summarize(self, seconds: float, last: dict, eval_loss: float) -> dict:
+        t = self.t
+        summary = {
+            "steps": t.cfg.steps, "seconds": seconds, "train_loss": last.get("loss"),
+            "val_loss": eval_loss, "val_ppl": math.exp(eval_loss),
+            "val_unigram_entropy": self.entropy, "val_loss_over_entropy": eval_loss / self.entropy,
+            "tokens_per_s": last.get("tokens_per_s"), "mfu": last.get("mfu"),
+            "skipped_steps": int(t.state.skipped), "run_dir": str(self.dir)}
+        (self.dir / "summary.json").write_text(json.dumps(jsonable(summary), indent=2))
+        plot_runs([self.dir], self.dir / "loss.png")
+        t.log(f"done: {summary['steps']} steps in {seconds:.0f}s | train loss "
+              f"{summary['train_loss']:.3f} | val loss {eval_loss:.3f} (ppl "
+              f"{summary['val_ppl']:.2f}) vs unigram entropy {self.entropy:.3f} "
+              f"(ratio {summary['val_loss_over_entropy']:.2f}) | "
+              f"{summary['tokens_per_s']:,.0f} tok/s | MFU {100 * summary['mfu']:.1f}% | "
+              f"skipped {summary['skipped_steps']} | {self.dir}")
+        return summary
+
+    def close(self) -> None:
+        self.metrics.close()
+
+
+def train(cfg: TrainConfig, plan: Plan | None = None) -> dict:
+    """Runs one training and returns its summary."""
+    return Trainer(cfg, plan).run()

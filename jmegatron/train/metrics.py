@@ -1,0 +1,64 @@
+"""Run outputs: metrics.jsonl, throughput and MFU against a measured matmul rate."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+
+def jsonable(record: dict) -> dict:
+    """Plain floats for numpy/JAX scalars; null for NaN and inf (JSON has neither)."""
+    def clean(v):
+        if isinstance(v, (np.floating, np.integer, np.ndarray, jax.Array)):
+            v = v.item()
+        if isinstance(v, float) and not math.isfinite(v):
+            return None
+        return v
+    return {k: clean(v) for k, v in record.items()}
+
+
+class MetricsWriter:
+    """Appends one JSON object per line to ``metrics.jsonl``."""
+
+    def __init__(self, run_dir: Path):
+        self.path = Path(run_dir) / "metrics.jsonl"
+        self._file = self.path.open("a")
+
+    def write(self, record: dict) -> None:
+        self._file.write(json.dumps(jsonable(record)) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def read_metrics(run_dir: str | Path) -> list[dict]:
+    """The records of a run's ``metrics.jsonl``."""
+    lines = (Path(run_dir) / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(line) for line in lines if line.strip()]
+
+
+def measure_matmul_rate(mesh: jax.sharding.Mesh, dtype: str = "float32", n: int | None = None,
+                        repeats: int = 5) -> float:
+    """FLOP/s of one large matmul per device, all devices at once: the local ceiling
+    against which MFU is quoted (not a vendor peak)."""
+    if n is None:
+        n = 512 if mesh.devices.flat[0].platform == "cpu" else 8192
+    sharding = NamedSharding(mesh, P(mesh.axis_names))
+    a = jax.device_put(jnp.ones((mesh.size * n, n), dtype), sharding)
+    b = jnp.ones((n, n), dtype)
+    matmul = jax.jit(lambda a, b: a @ b, out_shardings=sharding)
+    matmul(a, b).block_until_ready()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        matmul(a, b).block_until_ready()
+        best = min(best, time.perf_counter() - start)
+    return 2 * mesh.size * n ** 3 / best

@@ -1,0 +1,58 @@
+"""Text samples from the model: greedy and top-k, so a person can see what it learned."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding
+
+from jmegatron.data import tokenizer
+from jmegatron.models.config import GPTConfig
+from jmegatron.sharding import rules as ax
+from jmegatron.sharding.mesh import axis_size
+from jmegatron.sharding.rules import Rules, activation_sharding, logical_to_spec, mesh_axes_of
+
+
+def make_sampler(graphdef: nnx.GraphDef, model_cfg: GPTConfig, mesh: jax.sharding.Mesh,
+                 rules: Rules, top_k: int):
+    """A jitted ``sample(params, tokens [R, seq_len], start, stop, key) -> tokens``
+    that fills positions start..stop-1.
+
+    Row 0 decodes greedily, the other rows sample from the top-k logits. Each
+    new token reruns the whole window (no KV cache: samples are short and rare).
+    """
+    def pick(logits, key):                       # [R, V]
+        logits = jnp.where(jnp.arange(logits.shape[-1]) < model_cfg.vocab_size, logits, -jnp.inf)
+        kth = jax.lax.top_k(logits, top_k)[0][:, -1:]
+        sampled = jax.random.categorical(key, jnp.where(logits < kth, -jnp.inf, logits))
+        return jnp.where(jnp.arange(logits.shape[0]) == 0, jnp.argmax(logits, -1), sampled)
+
+    def sample(params, tokens, start, stop, key):
+        model = nnx.merge(graphdef, params)
+
+        def write_next(i, tokens):
+            with activation_sharding(mesh, rules):
+                logits = model(tokens)[:, i - 1]
+            return tokens.at[:, i].set(pick(logits, jax.random.fold_in(key, i)))
+
+        return jax.lax.fori_loop(start, stop, write_next, tokens)
+
+    return jax.jit(sample)
+
+
+def sample_texts(sampler, params, prompt: str, n_tokens: int, seq_len: int,
+                 mesh: jax.sharding.Mesh, rules: Rules, seed: int) -> tuple[str, str]:
+    """(greedy, top-k) continuations of ``prompt``."""
+    shards = axis_size(mesh, mesh_axes_of(ax.BATCH, rules))
+    rows = shards * -(-2 // shards)          # at least 2 rows, whole data shards
+    # Training documents are separated by EOS, so EOS is how a document begins.
+    prompt_ids = np.concatenate([[tokenizer.EOS], tokenizer.encode(prompt)])[-(seq_len - 1):]
+    end = min(len(prompt_ids) + n_tokens, seq_len)
+    window = np.full((rows, seq_len), tokenizer.PAD, np.int32)
+    window[:, :len(prompt_ids)] = prompt_ids
+    window = jax.device_put(window, NamedSharding(mesh, logical_to_spec((ax.BATCH, ax.SEQ), rules)))
+    out = np.asarray(sampler(params, window, len(prompt_ids), end, jax.random.key(seed)))
+    texts = [prompt + tokenizer.decode(row[len(prompt_ids):end]) for row in out[:2]]
+    return texts[0], texts[-1]

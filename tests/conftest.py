@@ -1,0 +1,9 @@
+"""Tests run on 8 virtual CPU devices; this must happen before JAX starts."""
+
+import os
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+
+jax.config.update("jax_num_cpu_devices", 8)

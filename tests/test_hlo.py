@@ -1,0 +1,104 @@
+"""The HLO inspector against programs whose communication we know."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+from jmegatron.sharding import MeshConfig, hlo_collectives, make_mesh, parse_collectives
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    return make_mesh(MeshConfig(data=2, fsdp=1, tensor=4))
+
+
+@pytest.fixture(scope="module")
+def report(mesh):
+    def body(x):                                       # x_block [8, 8] f32: 256 bytes
+        a = lax.psum(x, "tensor")
+        b = lax.all_gather(x, "data", tiled=True)      # gathers [16, 8]
+        c = lax.psum_scatter(x, "tensor", scatter_dimension=0, tiled=True)
+        d = lax.all_to_all(x, "tensor", 0, 0, tiled=True)
+        e = lax.ppermute(x, "data", [(0, 1), (1, 0)])
+        loop, _ = lax.scan(lambda c, _: (lax.psum(c, "data") * 0.5, None), x, None, length=3)
+        return a.sum() + b.sum() + c.sum() + d.sum() + e.sum() + loop.sum()
+
+    fn = jax.shard_map(body, mesh=mesh, in_specs=P("data", "tensor"), out_specs=P(),
+                       check_vma=False)
+    return hlo_collectives(fn, jnp.ones((16, 32)), mesh=mesh)
+
+
+def test_every_kind_is_found_with_its_axes(report):
+    assert report.count("all-reduce", ("tensor",)) == 1
+    assert report.count("all-gather", ("data",)) == 1
+    assert report.count("reduce-scatter", ("tensor",)) == 1
+    assert report.count("all-to-all", ("tensor",)) == 1
+    assert report.count("collective-permute", ("data",)) == 1
+
+
+def test_loop_trip_counts_multiply(report):
+    (looped,) = report.select("all-reduce", ("data",))
+    assert looped.executions == 3
+    assert report.count("all-reduce", ("data",)) == 3
+
+
+def test_bytes_follow_the_ring_formulas(report):
+    n = 8 * 8 * 4   # one [8, 8] f32 block
+    assert report.bytes_per_device("all-reduce", ("tensor",)) == 2 * 3 / 4 * n
+    assert report.bytes_per_device("all-gather", ("data",)) == 1 / 2 * (2 * n)
+    assert report.bytes_per_device("reduce-scatter", ("tensor",)) == 3 / 4 * n
+    assert report.bytes_per_device("all-to-all", ("tensor",)) == 3 / 4 * n
+    assert report.bytes_per_device("collective-permute", ("data",)) == n
+    assert report.bytes_per_device("all-reduce", ("data",)) == 3 * (2 * 1 / 2 * n)
+
+
+def test_table_lists_every_row(report):
+    text = report.table()
+    for kind in ("all-reduce", "all-gather", "reduce-scatter", "all-to-all",
+                 "collective-permute"):
+        assert kind in text
+
+
+def test_a_program_without_communication_has_none(mesh):
+    fn = jax.jit(lambda x: x * 2, in_shardings=jax.NamedSharding(mesh, P("data")))
+    report = hlo_collectives(fn, jnp.ones((8, 4)))
+    assert report.collectives == () and "no collectives" in report.table()
+
+
+HLO = """HloModule m, num_partitions=8
+
+%add (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %s = f32[] add(%a, %b)
+}
+
+ENTRY %main (p: f32[4,8]) -> f32[4,8] {
+  %p = f32[4,8]{1,0} parameter(0)
+  %x = f32[4,8]{1,0} all-reduce(%p), channel_id=1, replica_groups=[4,2]<=[8], use_global_device_ids=true, to_apply=%add
+  %y = f32[4,8]{1,0} all-reduce(%x), channel_id=2, replica_groups=[2,4]<=[4,2]T(1,0), use_global_device_ids=true, to_apply=%add
+  %z = (f32[4,8]{1,0}, bf16[4,8]{1,0}) all-reduce(%y, %y), channel_id=3, replica_groups=mesh['a'=2,'b'=2,'c'=2] {'b','c'}, use_global_device_ids=true, to_apply=%add
+  %w = f32[4,8]{1,0} all-reduce(%y), channel_id=4, replica_groups=mesh['a'=1,'b'=4,'c'=2], device_ids=([2,2,2]T(1,0,2)) {'b':(1)2}, use_global_device_ids=true, to_apply=%add
+  %g = (f32[4,8]{1,0}, f32[8,8]{1,0}) all-gather-start(%y), channel_id=5, replica_groups={{0,4},{1,5},{2,6},{3,7}}, dimensions={0}, use_global_device_ids=true
+  ROOT %d = f32[8,8]{1,0} all-gather-done(%g)
+}
+"""
+
+
+def test_parses_every_replica_group_form():
+    mesh = make_mesh(MeshConfig(data=2, fsdp=2, tensor=2))
+    report = parse_collectives(HLO, mesh)
+    by_name = {c.name: c for c in report.collectives}
+    assert by_name["x"].axes == ("tensor",)            # iota [4,2]: consecutive pairs
+    assert by_name["y"].axes == ("data", "fsdp")       # transposed iota: stride-2 quads
+    assert by_name["z"].axes == ("fsdp", "tensor")     # mesh form, named axes
+    assert by_name["z"].buffers == 2 and by_name["z"].buffer_bytes == 128 + 64
+    # device_ids [2,2,2]T(1,0,2) are 0,1,4,5,2,3,6,7; as b=4 x c=2 the rows of b
+    # are [0,1],[4,5],[2,3],[6,7]; the major half of b pairs rows 0-2 and 1-3:
+    # groups {0,2},{1,3},{4,6},{5,7}, which differ along fsdp.
+    assert by_name["w"].axes == ("fsdp",)
+    assert by_name["g"].kind == "all-gather" and by_name["g"].buffer_bytes == 256
+    assert by_name["g"].axes == ("data",)
+    assert report.count("all-reduce") == 5 and report.launches("all-reduce") == 4

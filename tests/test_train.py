@@ -1,0 +1,157 @@
+"""The train step, state, schedules and the CLI end to end."""
+
+import dataclasses
+import json
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from experiments import train as train_cli
+from jmegatron.models import GPT, GPTConfig
+from jmegatron.sharding import DEFAULT_RULES, MeshConfig, hlo_collectives, make_mesh
+from jmegatron.train import (OptimConfig, TrainConfig, create_train_state, fit_mesh,
+                             make_loss_fn, make_train_step)
+from jmegatron.train.optimizer import make_optimizer, make_schedule
+from jmegatron.train.step import accumulate_grads, split_microbatches
+
+MODEL = GPTConfig(d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64).pad_vocab(2)
+B, T = 16, 32
+
+
+@pytest.fixture(scope="module")
+def setup():
+    mesh = make_mesh(MeshConfig(data=2, fsdp=2, tensor=2))
+    make_model = lambda: GPT(MODEL, nnx.Rngs(0))
+    abstract = nnx.split(nnx.eval_shape(make_model))[1]
+    tx, schedule = make_optimizer(OptimConfig(lr=1e-2, warmup_steps=0), 10, abstract)
+    graphdef, state = create_train_state(make_model, tx, mesh, DEFAULT_RULES)
+    loss_fn = make_loss_fn(graphdef, MODEL, mesh, DEFAULT_RULES)
+    return mesh, tx, schedule, state, loss_fn
+
+
+def tokens(seed=0, batch=B):
+    return jax.random.randint(jax.random.key(seed), (batch, T + 1), 0, MODEL.vocab_size)
+
+
+def test_state_is_born_sharded(setup):
+    mesh, tx, _, state, _ = setup
+    qkv = state.params["blocks"]["attn"]["qkv"][...]
+    assert qkv.sharding.spec == jax.P(None, "fsdp", "tensor", None, None)
+    adam = state.opt_state[1][0]   # chain(clip, adamw): adamw's scale_by_adam state
+    assert adam.mu["blocks"]["attn"]["qkv"][...].sharding == qkv.sharding
+    assert adam.nu["embed"][...].sharding == state.params["embed"][...].sharding
+    assert adam.count.sharding.is_fully_replicated
+
+
+def test_microbatches_keep_rows_on_their_devices(setup):
+    mesh = setup[0]
+    batch = jax.device_put(tokens(), jax.NamedSharding(mesh, jax.P(("data", "fsdp", "expert"))))
+    split = jax.jit(lambda t: split_microbatches(t, 4, mesh, DEFAULT_RULES))
+    np.testing.assert_array_equal(split(batch)[1], tokens()[1::4])
+    assert hlo_collectives(split, batch).collectives == ()
+
+
+def test_accumulation_equals_one_big_batch(setup):
+    """k microbatches of b rows give the loss and gradients of one batch of k*b rows."""
+    mesh, _, _, state, loss_fn = setup
+    many = jax.jit(lambda p, t: accumulate_grads(
+        loss_fn, p, split_microbatches(t, 4, mesh, DEFAULT_RULES)))(state.params, tokens())
+    (loss, aux), grads = jax.jit(jax.value_and_grad(loss_fn, has_aux=True))(state.params, tokens())
+    np.testing.assert_allclose(many[0], loss, rtol=1e-6)
+    chex.assert_trees_all_close(many[2], grads, rtol=1e-5, atol=1e-8)
+
+
+def test_a_nan_gradient_skips_the_step(setup):
+    mesh, tx, schedule, state, loss_fn = setup
+    poisoned = lambda p, t: jax.tree.map(lambda x: x * jnp.nan, loss_fn(p, t))
+    before = jax.device_get(state)   # host copy: the step donates its input
+    step = make_train_step(poisoned, tx, schedule, 1, mesh, DEFAULT_RULES)
+    state = jax.tree.map(jnp.copy, state)
+    after, metrics = step(state, tokens())
+    assert bool(metrics["skipped"]) and int(after.skipped) == 1 and int(after.step) == 1
+    for a, b in zip(jax.tree.leaves(before.params) + jax.tree.leaves(before.opt_state),
+                    jax.tree.leaves(after.params) + jax.tree.leaves(after.opt_state)):
+        assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
+    good = make_train_step(loss_fn, tx, schedule, 1, mesh, DEFAULT_RULES)
+    later, metrics = good(after, tokens())
+    assert not bool(metrics["skipped"]) and int(later.skipped) == 1
+    assert not np.array_equal(later.params["embed"][...], before.params["embed"][...])
+
+
+def test_training_lowers_the_loss(setup):
+    mesh, tx, schedule, state, loss_fn = setup
+    step = make_train_step(loss_fn, tx, schedule, 2, mesh, DEFAULT_RULES)
+    state = jax.tree.map(jnp.copy, state)
+    losses = []
+    for _ in range(8):   # the same batch: the loss must fall
+        state, metrics = step(state, tokens())
+        losses.append(float(metrics["loss"]))
+    assert losses[-1] < losses[0] - 0.5, losses
+
+
+@pytest.mark.parametrize("kind, checks", [
+    ("cosine", {0: 0.0, 10: 1.0, 110: 0.1, 60: 0.55}),
+    ("linear", {10: 1.0, 60: 0.55, 110: 0.1}),
+    ("wsd", {10: 1.0, 60: 1.0, 88: 1.0, 99: 0.55, 110: 0.1}),   # decays over the last 22
+    ("constant", {5: 0.5, 10: 1.0, 110: 1.0}),
+])
+def test_schedules(kind, checks):
+    schedule = make_schedule(OptimConfig(lr=1.0, schedule=kind, warmup_steps=10,
+                                         min_lr_ratio=0.1, decay_fraction=0.2), 110)
+    for step, want in checks.items():
+        np.testing.assert_allclose(schedule(step), want, atol=1e-6, err_msg=f"step {step}")
+
+
+def test_default_mesh_shrinks_to_fit_but_explicit_meshes_do_not():
+    default = TrainConfig().mesh
+    assert fit_mesh(default, 8, shrink=True) == MeshConfig(2, 2, 1, 2)
+    assert fit_mesh(default, 1, shrink=True) == MeshConfig(1, 1, 1, 1)
+    assert fit_mesh(default, 2, shrink=True) == MeshConfig(1, 1, 1, 2)
+    with pytest.raises(ValueError, match="4 devices"):
+        fit_mesh(MeshConfig(data=2, fsdp=1, tensor=2), 2, shrink=False)
+
+
+SMALL = ["--model.d-model", "32", "--model.n-layers", "1", "--model.n-heads", "2",
+         "--model.n-kv-heads", "2", "--model.d-ff", "64", "--batch-size", "8", "--seq-len", "32",
+         "--eval-batches", "1", "--sample-tokens", "8", "--no-progress"]
+
+
+def test_cli_runs_three_steps_and_writes_every_output(tmp_path):
+    summary = train_cli.main(SMALL + ["--steps", "3", "--eval-every", "2", "--log-every", "1",
+                                      "--microbatches", "2", "--out-dir", str(tmp_path),
+                                      "--name", "run"])
+    run = tmp_path / "run"
+    config = json.loads((run / "config.json").read_text())
+    assert config["config"]["steps"] == 3 and config["mesh"]["tensor"] == 2
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in records if "loss" in r]
+    evals = [r for r in records if "eval_loss" in r]
+    assert [r["step"] for r in train] == [1, 2, 3] and [r["step"] for r in evals] == [2, 3]
+    assert all(np.isfinite(r["loss"]) and r["grad_norm"] > 0 for r in train)
+    assert train[-1]["tokens_per_s"] > 0 and 0 < train[-1]["mfu"]
+    assert evals[-1]["sample_greedy"].startswith("def ")
+    assert "--- greedy" in (run / "samples.txt").read_text()
+    assert (run / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    saved = json.loads((run / "summary.json").read_text())
+    assert saved["steps"] == 3 and saved["val_loss"] == summary["val_loss"]
+    assert 0 < saved["val_unigram_entropy"] < 5
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--data.path", "/no/such/corpus"], "'/no/such/corpus' does not exist"),
+    (["--seq-len", "1000000"], "seq_len=1000000 needs at least 1000001 tokens"),
+    (["--mesh.data", "1", "--mesh.fsdp", "1", "--mesh.tensor", "8"],
+     "heads=2 is not divisible by tensor=8"),
+    (["--batch-size", "4", "--microbatches", "2"], "batch=2 is not divisible by data=2 x fsdp=2"),
+    (["--model.vocab-size", "100"], "model.vocab_size=100 is smaller than the corpus"),
+])
+def test_cli_bad_input_gives_one_clear_line(args, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        train_cli.main(SMALL + args)
+    assert exit_info.value.code.startswith("error: ")
+    assert message in exit_info.value.code
