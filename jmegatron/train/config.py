@@ -24,9 +24,10 @@ class DataConfig:
 class OptimConfig:
     """Optimizer and learning-rate schedule."""
 
-    name: Literal["adamw"] = "adamw"
+    name: Literal["muon", "adamw"] = "muon"
+    """muon: Muon for hidden matrices and AdamW for the rest; adamw: AdamW for all."""
     lr: float = 3e-3
-    """Peak learning rate."""
+    """Peak learning rate (of both groups: Muon's updates are scaled to AdamW's RMS)."""
     schedule: Literal["cosine", "linear", "wsd", "constant"] = "cosine"
     """Decay after warmup: cosine, linear, warmup-stable-decay, or none."""
     warmup_steps: int = 30
@@ -35,12 +36,30 @@ class OptimConfig:
     decay_fraction: float = 0.2
     """wsd only: the share of steps spent decaying at the end."""
     b1: float = 0.9
+    """AdamW's first-moment decay."""
     b2: float = 0.95
+    """AdamW's second-moment decay."""
     eps: float = 1e-8
     weight_decay: float = 0.1
     """Decoupled weight decay on matrices and embeddings (never on norm scales)."""
     grad_clip: float = 1.0
     """Clip the global gradient norm to this (0 disables)."""
+    momentum: float = 0.95
+    """Muon's momentum decay (an EMA, Nesterov style)."""
+    ns_coefficients: Literal["simple", "quintic", "polar_express", "cans", "aol", "cubic"] = (
+        "quintic")
+    """Newton-Schulz coefficient set."""
+    ns_steps: int | None = None
+    """Newton-Schulz iterations (default: the coefficient set's own, 5 for most)."""
+    ns_dtype: Literal["float32", "bfloat16"] = "float32"
+    """Matmul dtype inside Newton-Schulz (accumulation is always fp32)."""
+    muon_scale: Literal["spectral", "shape", "unit_rms", "none"] = "spectral"
+    """Update scale by matrix shape; spectral x rms_factor 0.2 matches AdamW's RMS."""
+    rms_factor: float = 0.2
+    split_qkv: bool = True
+    """Orthogonalize Q, K, V (and gate, up) blocks of fused weights separately."""
+    per_head: bool = False
+    """Orthogonalize each attention head's block on its own."""
 
 
 @dataclasses.dataclass(frozen=True)

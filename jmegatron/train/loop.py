@@ -52,7 +52,7 @@ class Plan:
     """A run's settings after every check, before anything is compiled."""
 
     mesh: MeshConfig         # resolved for the devices present
-    model: GPTConfig         # vocabulary from the corpus, padded for the mesh
+    model: GPTConfig         # vocabulary padded for the mesh
     corpus: Corpus
     rules: Rules
 
@@ -84,11 +84,11 @@ class Trainer:
                                             logical_to_spec((ax.BATCH, ax.SEQ), self.rules))
         make_model = lambda: GPT(self.model_cfg, nnx.Rngs(cfg.seed))
         abstract_params = nnx.split(nnx.eval_shape(make_model))[1]
-        self.tx, self.schedule = make_optimizer(cfg.optim, cfg.steps, abstract_params)
-        self.graphdef, self.state = create_train_state(make_model, self.tx, self.mesh,
+        self.optimizer = make_optimizer(cfg.optim, cfg.steps, abstract_params)
+        self.graphdef, self.state = create_train_state(make_model, self.optimizer.tx, self.mesh,
                                                        self.rules)
         loss_fn = make_loss_fn(self.graphdef, self.model_cfg, self.mesh, self.rules, cfg.z_loss)
-        self.train_step = make_train_step(loss_fn, self.tx, self.schedule, cfg.microbatches,
+        self.train_step = make_train_step(loss_fn, self.optimizer, cfg.microbatches,
                                           self.mesh, self.rules)
         self.eval_step = make_eval_step(loss_fn)
         self.sampler = make_sampler(self.graphdef, self.model_cfg, self.mesh, self.rules,
@@ -129,8 +129,10 @@ class Run:
         self.dir = Path(cfg.out_dir) / (cfg.name or time.strftime("%Y%m%d-%H%M%S"))
         self.dir.mkdir(parents=True, exist_ok=True)
         self.metrics = MetricsWriter(self.dir)
+        (self.dir / "samples.txt").write_text("")
         self.entropy = unigram_entropy(trainer.corpus.val)
         self.flops_per_token = trainer.model_cfg.flops_per_token(cfg.seq_len)
+        self.optimizer_flops = trainer.optimizer.flops_per_step
         self.peak = measure_matmul_rate(trainer.mesh, trainer.model_cfg.dtype)
         self._write_config()
         self._announce()
@@ -141,6 +143,7 @@ class Run:
                   "padded_vocab": t.model_cfg.vocab, "params": t.model_cfg.param_count(),
                   "corpus": t.corpus.source, "devices": [str(d) for d in jax.devices()]}
         (self.dir / "config.json").write_text(json.dumps(record, indent=2))
+        (self.dir / "routing.txt").write_text(t.optimizer.routing_table + "\n")
 
     def _announce(self) -> None:
         t = self.t
@@ -149,6 +152,11 @@ class Run:
               f"corpus {t.corpus.source}: {len(t.corpus.train):,} train / "
               f"{len(t.corpus.val):,} val tokens | val unigram entropy {self.entropy:.3f} | "
               f"run dir {self.dir}")
+        groups = t.optimizer.leaf_groups
+        t.log(f"optimizer {t.cfg.optim.name}: " + ", ".join(
+            f"{groups.count(g)} leaves {g}" for g in sorted(set(groups))) +
+            f" | Newton-Schulz {self.optimizer_flops / 1e9:.2f} GFLOP/step "
+            f"(routing: {self.dir / 'routing.txt'})")
 
     def loop(self) -> dict:
         t, cfg = self.t, self.t.cfg
@@ -178,10 +186,10 @@ class Run:
         t, cfg = self.t, self.t.cfg
         tokens_per_s = cfg.batch_size * cfg.seq_len / step_time
         flops = self.flops_per_token * tokens_per_s
-        record = {"step": step, "loss": metrics["loss"], "nll": metrics["nll"],
-                  "z_loss": metrics["z_loss"], "grad_norm": metrics["grad_norm"],
-                  "lr": metrics["lr"], "tokens_per_s": tokens_per_s, "step_time_s": step_time,
-                  "model_flops_per_s": flops, "mfu": flops / self.peak,
+        record = {"step": step, **{k: v for k, v in metrics.items() if k != "skipped"},
+                  "tokens_per_s": tokens_per_s, "step_time_s": step_time,
+                  "model_flops_per_s": flops, "optimizer_flops_per_s":
+                  self.optimizer_flops / step_time, "mfu": flops / self.peak,
                   "matmul_flops_per_s": self.peak, "skipped_steps": int(t.state.skipped)}
         self.metrics.write(record)
         return record
@@ -200,20 +208,25 @@ class Run:
 
     def _summarize(self, seconds: float, last: dict, eval_loss: float) -> dict:
         t = self.t
-        summary = {
+        summary = jsonable({
             "steps": t.cfg.steps, "seconds": seconds, "train_loss": last.get("loss"),
             "val_loss": eval_loss, "val_ppl": math.exp(eval_loss),
             "val_unigram_entropy": self.entropy, "val_loss_over_entropy": eval_loss / self.entropy,
             "tokens_per_s": last.get("tokens_per_s"), "mfu": last.get("mfu"),
-            "skipped_steps": int(t.state.skipped), "run_dir": str(self.dir)}
-        (self.dir / "summary.json").write_text(json.dumps(jsonable(summary), indent=2))
+            "model_flops_per_s": last.get("model_flops_per_s"),
+            "optimizer_flops_per_s": last.get("optimizer_flops_per_s"),
+            "skipped_steps": int(t.state.skipped), "run_dir": str(self.dir)})
+        (self.dir / "summary.json").write_text(json.dumps(summary, indent=2))
         plot_runs([self.dir], self.dir / "loss.png")
-        t.log(f"done: {summary['steps']} steps in {seconds:.0f}s | train loss "
-              f"{summary['train_loss']:.3f} | val loss {eval_loss:.3f} (ppl "
-              f"{summary['val_ppl']:.2f}) vs unigram entropy {self.entropy:.3f} "
-              f"(ratio {summary['val_loss_over_entropy']:.2f}) | "
-              f"{summary['tokens_per_s']:,.0f} tok/s | MFU {100 * summary['mfu']:.1f}% | "
-              f"skipped {summary['skipped_steps']} | {self.dir}")
+        f = lambda key, spec, scale=1.0: ("-" if summary[key] is None
+                                          else format(summary[key] * scale, spec))
+        t.log(f"done: {t.cfg.steps} steps in {seconds:.0f}s | train loss {f('train_loss', '.3f')} "
+              f"| val loss {f('val_loss', '.3f')} (ppl {f('val_ppl', '.2f')}) vs unigram "
+              f"entropy {self.entropy:.3f} (ratio {f('val_loss_over_entropy', '.2f')}) | "
+              f"{f('tokens_per_s', ',.0f')} tok/s | MFU {f('mfu', '.1f', 100)}% (model "
+              f"{f('model_flops_per_s', ',.1f', 1e-9)} + optimizer "
+              f"{f('optimizer_flops_per_s', ',.1f', 1e-9)} GFLOP/s of {self.peak / 1e9:,.0f} "
+              f"measured) | skipped {summary['skipped_steps']} | {self.dir}")
         return summary
 
     def close(self) -> None:

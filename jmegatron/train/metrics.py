@@ -25,11 +25,11 @@ def jsonable(record: dict) -> dict:
 
 
 class MetricsWriter:
-    """Appends one JSON object per line to ``metrics.jsonl``."""
+    """Writes one JSON object per line to ``metrics.jsonl`` (a new run starts it afresh)."""
 
     def __init__(self, run_dir: Path):
         self.path = Path(run_dir) / "metrics.jsonl"
-        self._file = self.path.open("a")
+        self._file = self.path.open("w")
 
     def write(self, record: dict) -> None:
         self._file.write(json.dumps(jsonable(record)) + "\n")

@@ -14,6 +14,7 @@ from jmegatron.models.config import GPTConfig
 from jmegatron.models.loss import cross_entropy
 from jmegatron.sharding import rules as ax
 from jmegatron.sharding.rules import Rules, activation_sharding, logical_to_spec
+from jmegatron.train.optimizer import Optimizer, group_update_rms
 from jmegatron.train.state import TrainState
 
 # loss_fn(params, tokens [B, T+1]) -> (loss, {"nll": ..., "z_loss": ...})
@@ -58,8 +59,8 @@ def accumulate_grads(loss_fn: LossFn, params: nnx.State, micro: jax.Array):
     return jax.tree.map(lambda x: x / micro.shape[0], total)
 
 
-def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation,
-                    schedule: optax.Schedule, microbatches: int, mesh: jax.sharding.Mesh,
+def make_train_step(loss_fn: LossFn, optimizer: Optimizer, microbatches: int,
+                    mesh: jax.sharding.Mesh,
                     rules: Rules) -> Callable[[TrainState, jax.Array], tuple[TrainState, dict]]:
     """A jitted step (state donated). A step whose loss or gradients are not finite
     leaves params and optimizer state bitwise unchanged and is counted as skipped."""
@@ -68,15 +69,16 @@ def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation,
         micro = split_microbatches(tokens, microbatches, mesh, rules)
         loss, aux, grads = accumulate_grads(loss_fn, state.params, micro)
         grad_norm = optax.tree.norm(grads)
-        updates, opt_state = tx.update(grads, state.opt_state, state.params)
+        updates, opt_state = optimizer.tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
         keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
         new_state = TrainState(state.step + 1, keep(params, state.params),
                                keep(opt_state, state.opt_state),
                                state.skipped + (~finite).astype(jnp.int32))
-        metrics = {"loss": loss, **aux, "grad_norm": grad_norm, "lr": schedule(state.step),
-                   "skipped": ~finite}
+        metrics = {"loss": loss, **aux, "grad_norm": grad_norm,
+                   "lr": optimizer.schedule(state.step), "skipped": ~finite,
+                   **group_update_rms(updates, optimizer.leaf_groups)}
         return new_state, metrics
 
     return jax.jit(train_step, donate_argnums=0)

@@ -1,0 +1,48 @@
+"""Shared pieces of the benchmark scripts: timing, tables, JSON results."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Sequence
+
+import jax
+
+
+def best_time(fn: Callable[[], object], repeats: int = 3) -> float:
+    """Best wall time of ``fn()`` over ``repeats`` runs, after one warm-up run."""
+    jax.block_until_ready(fn())
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(fn())
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def print_table(rows: Sequence[dict], columns: Sequence[tuple[str, str, str]]) -> None:
+    """Prints ``rows`` with (key, header, format) columns."""
+    cells = [[format(r[k], f) if r.get(k) is not None else "-" for k, _, f in columns]
+             for r in rows]
+    widths = [max(len(h), *(len(c[i]) for c in cells)) for i, (_, h, _) in enumerate(columns)]
+    print("  ".join(h.rjust(w) for (_, h, _), w in zip(columns, widths)))
+    for c in cells:
+        print("  ".join(v.rjust(w) for v, w in zip(c, widths)))
+
+
+def write_results(name: str, rows: list[dict], out: str | None, argv: Sequence[str]) -> Path:
+    """bench_results/<name>.json (or ``out``): command, JAX version, devices, rows."""
+    path = Path(out or f"bench_results/{name}.json")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    record = {"command": " ".join([f"python -m experiments.{name}", *argv]),
+              "jax": jax.__version__, "device_kind": jax.devices()[0].device_kind,
+              "device_count": jax.device_count(), "rows": rows}
+    path.write_text(json.dumps(record, indent=2, default=float))
+    print(f"wrote {path}")
+    return path
+
+
+def argv() -> list[str]:
+    return sys.argv[1:]

@@ -1,0 +1,249 @@
+"""Which optimizer each parameter gets, and how a matrix optimizer sees it.
+
+Hidden matrices (and stacked [L, ...] or per-expert [L, E, ...] batches of
+them) go to the matrix optimizer (Muon, SOAP); embeddings, the output head,
+norms, biases and the MoE router go to AdamW. Decisions come from the
+parameter's logical axes when it has them (jmegatron models), otherwise from
+its path and shape. A leaf no rule matches is an error.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from typing import Callable, Iterator
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+MATRIX, ADAMW = "matrix", "adamw"
+BATCH_AXES = ("layers", "experts")      # logical axes that stack independent matrices
+HEAD_AXES = ("heads", "kv_heads", "qkv")  # become batch axes in per-head mode
+_ADAMW_NAME = re.compile(r"(^|[_.])(embed\w*|wte|wpe|lm_head|head|unembed\w*|\w*norm\w*|ln_\w+|"
+                         r"bias|\w+_bias|scale)$")
+
+
+@dataclasses.dataclass(frozen=True)
+class Piece:
+    """One block of a leaf orthogonalized on its own: ``count`` matrices fan_in x fan_out."""
+
+    name: str
+    count: int
+    fan_in: int
+    fan_out: int
+
+
+@dataclasses.dataclass(frozen=True)
+class MatrixSpec:
+    """A leaf seen as a batch of matrices: axes not in ``in_axes``/``out_axes`` are
+    batch axes; an optional ``split_axis`` cuts the leaf into blocks (Q, K, V of a
+    fused QKV weight) that are orthogonalized separately."""
+
+    in_axes: tuple[int, ...]
+    out_axes: tuple[int, ...]
+    split_axis: int | None = None
+    split_sizes: tuple[int, ...] = ()
+    split_names: tuple[str, ...] = ()
+
+    def parts(self, x: jax.Array) -> list[jax.Array]:
+        if self.split_axis is None:
+            return [x]
+        cuts = [sum(self.split_sizes[:i]) for i in range(1, len(self.split_sizes))]
+        return jnp.split(x, cuts, axis=self.split_axis)
+
+    def pieces(self, shape: tuple[int, ...]) -> list[Piece]:
+        """The blocks of a leaf of ``shape`` with their matrix sizes."""
+        sizes = self.split_sizes or (None,)
+        names = self.split_names or ("",)
+        out = []
+        for name, size in zip(names, sizes):
+            part = list(shape)
+            if size is not None:
+                part[self.split_axis] = size
+            fan_in = math.prod(part[a] for a in self.in_axes)
+            fan_out = math.prod(part[a] for a in self.out_axes)
+            out.append(Piece(name, math.prod(part) // (fan_in * fan_out), fan_in, fan_out))
+        return out
+
+
+def map_matrices(fn: Callable[[jax.Array, int, int], jax.Array], x: jax.Array,
+                 spec: MatrixSpec) -> jax.Array:
+    """Applies ``fn(stack [count, fan_in, fan_out], fan_in, fan_out)`` to every block."""
+    outs = []
+    for part in spec.parts(x):
+        batch = tuple(a for a in range(x.ndim) if a not in spec.in_axes + spec.out_axes)
+        order = batch + spec.in_axes + spec.out_axes
+        moved = part.transpose(order)
+        fan_in = math.prod(part.shape[a] for a in spec.in_axes)
+        fan_out = math.prod(part.shape[a] for a in spec.out_axes)
+        result = fn(moved.reshape(-1, fan_in, fan_out), fan_in, fan_out)
+        outs.append(result.reshape(moved.shape).transpose(_inverse(order)))
+    return outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=spec.split_axis)
+
+
+def _inverse(order: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(sorted(range(len(order)), key=order.__getitem__))
+
+
+@dataclasses.dataclass(frozen=True)
+class Route:
+    """The decision for one leaf: ADAMW, or MATRIX with its spec; ``rule`` says why."""
+
+    kind: str
+    rule: str
+    spec: MatrixSpec | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Routing:
+    """Routing options.
+
+    split_qkv: orthogonalize Q, K and V of a fused QKV weight separately (and
+      gate and up of a fused SwiGLU weight).
+    per_head: orthogonalize each attention head's block on its own.
+    router: where an MoE router goes ("adamw" or "matrix").
+    custom: ``custom(path, shape, logical_axes) -> Route | None`` tried first.
+    """
+
+    split_qkv: bool = True
+    per_head: bool = False
+    router: str = ADAMW
+    custom: Callable[[str, tuple[int, ...], tuple | None], Route | None] | None = None
+
+    def route(self, path: str, shape: tuple[int, ...], logical: tuple | None) -> Route:
+        if self.custom is not None:
+            decision = self.custom(path, shape, logical)
+            if decision is not None:
+                return decision
+        for rule in (_vector, _router, _logical, _by_name_and_shape):
+            decision = rule(self, path, shape, logical)
+            if decision is not None:
+                return decision
+        raise ValueError(f"no routing rule matches {path} (shape {shape}, logical axes "
+                         f"{logical}); pass Routing(custom=...) to decide it")
+
+
+def _vector(opts, path, shape, logical) -> Route | None:
+    return Route(ADAMW, "scalar or vector") if len(shape) < 2 else None
+
+
+def _router(opts, path, shape, logical) -> Route | None:
+    if "router" not in path.lower():
+        return None
+    if opts.router == ADAMW:
+        return Route(ADAMW, "MoE router")
+    return Route(MATRIX, "MoE router", MatrixSpec((len(shape) - 2,), (len(shape) - 1,)))
+
+
+def _logical(opts, path, shape, logical) -> Route | None:
+    """jmegatron params: [batch..., embed, out...] or [batch..., in..., embed]."""
+    if logical is None:
+        return None
+    if "vocab" in logical:
+        return Route(ADAMW, "embedding or output head (vocab axis)")
+    if "norm" in logical:
+        return Route(ADAMW, "norm scale")
+    batch = set(BATCH_AXES) | (set(HEAD_AXES) if opts.per_head else set())
+    rest = [i for i, name in enumerate(logical) if name not in batch]
+    if not rest or "embed" not in (logical[rest[0]], logical[rest[-1]]):
+        return None
+    if logical[rest[0]] == "embed":
+        in_axes, out_axes = (rest[0],), tuple(rest[1:])
+    else:
+        in_axes, out_axes = tuple(rest[:-1]), (rest[-1],)
+    if not out_axes or not in_axes:
+        return None
+    split = _split(logical, shape) if opts.split_qkv else None
+    spec = MatrixSpec(in_axes, out_axes, *split) if split else MatrixSpec(in_axes, out_axes)
+    return Route(MATRIX, "hidden matrix (logical axes)", spec)
+
+
+def _split(logical, shape):
+    if "qkv" in logical:
+        axis = logical.index("qkv")
+        return axis, (shape[axis] - 2, 1, 1), ("q", "k", "v")
+    if "glu" in logical:
+        axis = logical.index("glu")
+        return axis, (1, 1), ("gate", "up")
+    return None
+
+
+def _by_name_and_shape(opts, path, shape, logical) -> Route | None:
+    """Plain pytrees: named embeddings, heads, norms and biases go to AdamW;
+    other 2-D leaves are matrices [fan_in, fan_out]."""
+    if logical is not None:
+        return None
+    keys = [k for k in re.split(r"[\[\]'\"./]+", path) if k and k != "value"]
+    if any(_ADAMW_NAME.search(k) for k in keys[-2:]):   # the leaf or its module
+        return Route(ADAMW, "embedding, head, norm or bias (by name)")
+    if len(shape) == 2:
+        return Route(MATRIX, "2-D matrix", MatrixSpec((0,), (1,)))
+    return None
+
+
+def _is_variable(x) -> bool:
+    return isinstance(x, nnx.Variable)
+
+
+def _leaf_info(node) -> tuple[tuple[int, ...], tuple | None]:
+    if _is_variable(node):
+        return tuple(node.shape), node.get_metadata().get("out_sharding")
+    return tuple(jnp.shape(node)), None
+
+
+def route(params, routing: Routing = Routing()):
+    """A tree (a prefix of ``params``: one entry per leaf or NNX variable) of Routes."""
+    def decide(path, node):
+        shape, logical = _leaf_info(node)
+        return routing.route(jax.tree_util.keystr(path), shape, logical)
+    return jax.tree.map_with_path(decide, params, is_leaf=_is_variable)
+
+
+def labels(params, routing: Routing = Routing(), matrix_label: str = "muon"):
+    """``optax.partition`` labels: ``matrix_label`` or "adamw" per leaf."""
+    return jax.tree.map(lambda r: matrix_label if r.kind == MATRIX else ADAMW,
+                        route(params, routing), is_leaf=lambda r: isinstance(r, Route))
+
+
+def _walk(params, routing: Routing) -> Iterator[tuple[str, tuple[int, ...], tuple | None, Route]]:
+    for path, node in jax.tree.leaves_with_path(params, is_leaf=_is_variable):
+        shape, logical = _leaf_info(node)
+        name = jax.tree_util.keystr(path)
+        yield name, shape, logical, routing.route(name, shape, logical)
+
+
+def describe(params, routing: Routing = Routing(), matrix_name: str = "muon") -> str:
+    """A table: every leaf with its optimizer, matrix blocks and batch axes."""
+    rows = [("leaf", "shape", "optimizer", "matrices", "batch axes", "rule")]
+    for name, shape, logical, r in _walk(params, routing):
+        if r.kind == MATRIX:
+            blocks = ", ".join(f"{p.name + ': ' if p.name else ''}{p.count} x "
+                               f"[{p.fan_in}, {p.fan_out}]" for p in r.spec.pieces(shape))
+            batch = [i for i in range(len(shape)) if i not in r.spec.in_axes + r.spec.out_axes]
+            names = [logical[i] if logical else str(i) for i in batch]
+            rows.append((name, str(shape), matrix_name, blocks, ",".join(names) or "-", r.rule))
+        else:
+            rows.append((name, str(shape), ADAMW, "-", "-", r.rule))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip()
+                     for row in rows)
+
+
+def matrix_pieces(params, routing: Routing = Routing()) -> list[Piece]:
+    """Every block the matrix optimizer orthogonalizes (for FLOP counts)."""
+    return [p for _, shape, _, r in _walk(params, routing) if r.kind == MATRIX
+            for p in r.spec.pieces(shape)]
+
+
+def leaf_routes(tree, routing: Routing = Routing()) -> list[tuple[str, Route]]:
+    """(path, Route) of every array leaf of ``tree``, in ``jax.tree.leaves`` order."""
+    out = []
+    for path, node in jax.tree.leaves_with_path(tree, is_leaf=_is_variable):
+        name = jax.tree_util.keystr(path)
+        if len(jax.tree.leaves(node)) != 1:
+            raise ValueError(f"{name} holds {len(jax.tree.leaves(node))} arrays, expected 1")
+        shape, logical = _leaf_info(node)
+        out.append((name, routing.route(name, shape, logical)))
+    return out
