@@ -212,10 +212,11 @@ def test_muon_flops_counts_every_block(gpt_params):
 def test_per_expert_weights_are_batches_and_the_router_goes_to_adamw():
     params = {
         "experts_in": nnx.Param(jnp.ones((2, 4, 8, 16)),
-                                out_sharding=("layers", "experts", "embed", "mlp")),
+                                out_sharding=("layers", "experts", "embed", "mlp"), eager_sharding=False),
         "experts_out": nnx.Param(jnp.ones((2, 4, 16, 8)),
-                                 out_sharding=("layers", "experts", "mlp", "embed")),
-        "router": nnx.Param(jnp.ones((2, 8, 4)), out_sharding=("layers", "embed", "experts")),
+                                 out_sharding=("layers", "experts", "mlp", "embed"), eager_sharding=False),
+        "router": nnx.Param(jnp.ones((2, 8, 4)), out_sharding=("layers", "embed", "experts"),
+                            eager_sharding=False),
     }
     table = describe(params)
     assert "8 x [8, 16]" in table and "8 x [16, 8]" in table and "layers,experts" in table
