@@ -19,13 +19,13 @@ from experiments.presets import tiny
 from jmegatron.train import plan_run, train
 
 
-def compare(steps: int, out_dir: str) -> list[dict]:
+def compare(steps: int, out_dir: str, **overrides) -> list[dict]:
+    """Trains the tiny preset (with ``overrides``) once per optimizer; one row each."""
     rows = []
-    base = tiny()
+    base = dataclasses.replace(tiny(), **overrides)
     for name in ("adamw", "muon"):
         cfg = dataclasses.replace(base, steps=steps, eval_every=steps, progress=False,
-                                  out_dir=out_dir, name=f"compare-{name}",
-                                  optim=dataclasses.replace(base.optim, name=name))
+                                  out_dir=out_dir, name=f"compare-{name}", optim=name)
         summary = train(cfg, plan_run(cfg))
         rows.append({"variant": name, "steps": steps, "val_loss": summary["val_loss"],
                      "train_loss": summary["train_loss"], "seconds": summary["seconds"],

@@ -5,15 +5,15 @@ overridden on the command line.
 """
 
 from jmegatron.models import GPTConfig
-from jmegatron.train import OptimConfig, TrainConfig
+from jmegatron.train import ScheduleConfig, TrainConfig
 
 
 def tiny() -> TrainConfig:
     """The default: a small byte-level GPT on the Python stdlib, a few CPU minutes."""
     return TrainConfig(
         model=GPTConfig(d_model=128, n_layers=4, n_heads=4, n_kv_heads=2, d_ff=384),
-        steps=300, batch_size=32, seq_len=128, eval_every=100,
-        optim=OptimConfig(lr=3e-3, warmup_steps=30))
+        steps=300, batch_size=32, seq_len=128, eval_every=100, lr=3e-3,
+        schedule=ScheduleConfig(warmup_steps=30))
 
 
 def gpt2_small() -> TrainConfig:
@@ -21,8 +21,8 @@ def gpt2_small() -> TrainConfig:
     return TrainConfig(
         model=GPTConfig(d_model=768, n_layers=12, n_heads=12, n_kv_heads=12, d_ff=2048,
                         dtype="bfloat16"),
-        steps=5000, batch_size=64, seq_len=1024, eval_every=500, eval_batches=8,
-        optim=OptimConfig(lr=6e-4, warmup_steps=200, weight_decay=0.1))
+        steps=5000, batch_size=64, seq_len=1024, eval_every=500, eval_batches=8, lr=6e-4,
+        schedule=ScheduleConfig(warmup_steps=200))
 
 
 def bench() -> TrainConfig:

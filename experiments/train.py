@@ -7,8 +7,10 @@ own sources, on 8 virtual CPU devices when no accelerator is present.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 
+import jax
 import tyro
 
 from experiments.presets import PRESETS
@@ -16,19 +18,23 @@ from jmegatron.train import TrainConfig
 
 
 def parse(argv: list[str]) -> TrainConfig:
-    """``--preset`` picks the defaults; tyro parses every other field on top of them."""
+    """``--preset`` picks the defaults; tyro parses every other field on top of them.
+    A mesh given on the command line is taken as it is (no fitting to the devices)."""
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
     known, rest = pre.parse_known_args(argv)
     description = (f"{__doc__}\nPreset: {known.preset} (choose with --preset "
                    f"{{{','.join(PRESETS)}}}; the defaults below are the preset's).")
-    return tyro.cli(TrainConfig, default=PRESETS[known.preset](), args=rest,
-                    description=description)
+    cfg = tyro.cli(TrainConfig, default=PRESETS[known.preset](), args=rest,
+                   description=description)
+    if any(arg.startswith("--mesh.") for arg in rest):
+        cfg = dataclasses.replace(cfg, fit_mesh=False)
+    return cfg
 
 
 def main(argv: list[str] | None = None) -> dict:
     cfg = parse(sys.argv[1:] if argv is None else argv)
-    import jax   # after parsing, so --help stays fast; before any backend starts
+    # Before any JAX operation starts a backend (importing jax does not).
     jax.config.update("jax_num_cpu_devices", cfg.cpu_devices)
     from jmegatron.train import plan_run, train
     try:

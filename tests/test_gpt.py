@@ -17,6 +17,7 @@ CFG = GPTConfig(vocab_size=300, d_model=64, n_layers=2, n_heads=8, n_kv_heads=4,
 BATCH, SEQ = 8, 16
 
 MESHES = {
+    "one_device": MeshConfig(fsdp=1),
     "data8": MeshConfig(data=8, fsdp=1),
     "fsdp8": MeshConfig(fsdp=8),
     "data4_tensor2": MeshConfig(data=4, fsdp=1, tensor=2),
@@ -74,7 +75,7 @@ def paths(state):
 
 @pytest.mark.parametrize("name", MESHES)
 def test_sharded_loss_and_grads_equal_one_device(name, reference):
-    mesh = make_mesh(MESHES[name])
+    mesh = make_mesh(MESHES[name], jax.devices()[:1] if name == "one_device" else None)
     state, (loss, grads) = loss_and_grads(CFG, mesh, tokens())
     ref_loss, ref_grads = reference
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)

@@ -102,3 +102,11 @@ def test_parses_every_replica_group_form():
     assert by_name["g"].kind == "all-gather" and by_name["g"].buffer_bytes == 256
     assert by_name["g"].axes == ("data",)
     assert report.count("all-reduce") == 5 and report.launches("all-reduce") == 4
+
+
+def test_unparsed_collectives_raise_instead_of_reporting_none():
+    broken = HLO.replace("%x = f32", "%x := f32")   # a line this parser cannot read
+    with pytest.raises(ValueError, match="5 collective instructions but only 4"):
+        parse_collectives(broken)
+    with pytest.raises(ValueError, match="no ENTRY"):
+        parse_collectives("HloModule m")

@@ -1,11 +1,14 @@
-"""Muon against AdamW on the tiny preset (two full training runs)."""
+"""Muon against AdamW on the tiny preset, shortened to fit the suite.
 
-import pytest
+The full 300-step comparison is `python -m experiments.compare_optimizers`
+(its table is in the README); this run keeps the model and optimizers and
+cuts steps, batch and sequence length (about 35 s on 2 cores).
+"""
 
 from experiments.compare_optimizers import compare
 
 
-@pytest.mark.slow   # two training runs: about 3 minutes on 2 cores; run with -m slow
 def test_muon_reaches_a_lower_validation_loss_than_adamw(tmp_path):
-    adamw, muon = compare(steps=150, out_dir=str(tmp_path))
-    assert muon["val_loss"] < adamw["val_loss"], (muon, adamw)
+    adamw, muon = compare(steps=60, out_dir=str(tmp_path), seq_len=64, batch_size=16,
+                          eval_batches=2, sample_tokens=8)
+    assert muon["val_loss"] < adamw["val_loss"] - 0.03, (muon, adamw)

@@ -65,3 +65,10 @@ def test_unpadded_vocab_under_tensor_parallelism_is_refused():
 def test_inconsistent_model_configs_raise(model, message):
     with pytest.raises(ValueError, match=message):
         GPTConfig(**model)
+
+
+def test_vocab_sharing_a_mesh_axis_with_the_batch_is_refused():
+    rules = with_rules(DEFAULT_RULES, act_vocab="fsdp")
+    with pytest.raises(ValueError, match=r"act_vocab and batch both use mesh axes \['fsdp'\]"):
+        validate_sharding(GPTConfig().pad_vocab(2).logical_dims(),
+                          MeshConfig(data=2, fsdp=2, tensor=2).resolve(8).sizes(), rules, 8)

@@ -14,7 +14,7 @@ from flax import nnx
 from experiments import train as train_cli
 from jmegatron.models import GPT, GPTConfig
 from jmegatron.sharding import DEFAULT_RULES, MeshConfig, hlo_collectives, make_mesh
-from jmegatron.train import (OptimConfig, TrainConfig, create_train_state, fit_mesh,
+from jmegatron.train import (ScheduleConfig, TrainConfig, create_train_state, fit_mesh,
                              make_loss_fn, make_train_step)
 from jmegatron.train.optimizer import make_optimizer, make_schedule
 from jmegatron.train.step import accumulate_grads, split_microbatches
@@ -23,15 +23,25 @@ MODEL = GPTConfig(d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64).pad_
 B, T = 16, 32
 
 
-@pytest.fixture(scope="module")
-def setup():
+def build(optim: str):
     mesh = make_mesh(MeshConfig(data=2, fsdp=2, tensor=2))
     make_model = lambda: GPT(MODEL, nnx.Rngs(0))
     abstract = nnx.split(nnx.eval_shape(make_model))[1]
-    optimizer = make_optimizer(OptimConfig(name="adamw", lr=1e-2, warmup_steps=0), 10, abstract)
+    cfg = TrainConfig(optim=optim, lr=1e-2, steps=10, schedule=ScheduleConfig(warmup_steps=0))
+    optimizer = make_optimizer(cfg, abstract, mesh, DEFAULT_RULES)
     graphdef, state = create_train_state(make_model, optimizer.tx, mesh, DEFAULT_RULES)
     loss_fn = make_loss_fn(graphdef, MODEL, mesh, DEFAULT_RULES)
     return mesh, optimizer, state, loss_fn
+
+
+@pytest.fixture(scope="module")
+def setup():
+    return build("adamw")
+
+
+@pytest.fixture(scope="module")
+def muon_setup():
+    return build("muon")
 
 
 def tokens(seed=0, batch=B):
@@ -46,6 +56,14 @@ def test_state_is_born_sharded(setup):
     assert adam.mu["blocks"]["attn"]["qkv"][...].sharding == qkv.sharding
     assert adam.nu["embed"][...].sharding == state.params["embed"][...].sharding
     assert adam.count.sharding.is_fully_replicated
+
+
+def test_muon_momentum_is_born_sharded_like_its_param(muon_setup):
+    _, _, state, _ = muon_setup
+    muon_state = state.opt_state[1].inner_states["muon"].inner_state[0]
+    for name in ("qkv", "out"):
+        param = state.params["blocks"]["attn"][name][...]
+        assert muon_state.momentum["blocks"]["attn"][name][...].sharding == param.sharding
 
 
 def test_microbatches_keep_rows_on_their_devices(setup):
@@ -66,9 +84,20 @@ def test_accumulation_equals_one_big_batch(setup):
     chex.assert_trees_all_close(many[2], grads, rtol=1e-5, atol=1e-8)
 
 
-def test_a_nan_gradient_skips_the_step(setup):
-    mesh, optimizer, state, loss_fn = setup
-    poisoned = lambda p, t: jax.tree.map(lambda x: x * jnp.nan, loss_fn(p, t))
+@jax.custom_vjp
+def nan_gradient(x):
+    """The identity whose gradient is NaN: a finite loss with non-finite gradients."""
+    return x
+
+
+nan_gradient.defvjp(lambda x: (x, None), lambda _, g: (g * jnp.nan,))
+
+
+@pytest.mark.parametrize("which", ["adamw", "muon"])
+def test_a_nan_gradient_skips_the_step(which, setup, muon_setup):
+    mesh, optimizer, state, loss_fn = setup if which == "adamw" else muon_setup
+    poisoned = lambda p, t: loss_fn(jax.tree.map(nan_gradient, p), t)
+    assert np.isfinite(jax.jit(poisoned)(state.params, tokens())[0])
     before = jax.device_get(state)   # host copy: the step donates its input
     step = make_train_step(poisoned, optimizer, 1, mesh, DEFAULT_RULES)
     state = jax.tree.map(jnp.copy, state)
@@ -101,10 +130,15 @@ def test_training_lowers_the_loss(setup):
     ("constant", {5: 0.6, 10: 1.0, 110: 1.0}),
 ])
 def test_schedules(kind, checks):
-    schedule = make_schedule(OptimConfig(lr=1.0, schedule=kind, warmup_steps=10,
-                                         min_lr_ratio=0.1, decay_fraction=0.2), 110)
+    schedule = make_schedule(ScheduleConfig(kind=kind, warmup_steps=10, min_lr_ratio=0.1,
+                                            decay_fraction=0.2), 1.0, 110)
     for step, want in checks.items():
         np.testing.assert_allclose(schedule(step), want, atol=1e-6, err_msg=f"step {step}")
+
+
+def test_a_mesh_given_on_the_command_line_is_not_fitted():
+    assert train_cli.parse([]).fit_mesh
+    assert not train_cli.parse(["--mesh.tensor", "2"]).fit_mesh
 
 
 def test_default_mesh_shrinks_to_fit_but_explicit_meshes_do_not():

@@ -17,12 +17,17 @@ from jmegatron.data.corpus import DataError
 _EVAL_STREAM = 1 << 40   # offsets the eval windows' keys away from any train step
 
 
+def require_window(n_tokens: int, seq_len: int, what: str = "the split") -> None:
+    """A stream must hold at least one window of seq_len + 1 tokens."""
+    if n_tokens < seq_len + 1:
+        raise DataError(f"seq_len={seq_len} needs at least {seq_len + 1} tokens, but "
+                        f"{what} has only {n_tokens}")
+
+
 def window_offsets(n_tokens: int, batch_size: int, seq_len: int, seed: int,
                    step: int) -> np.ndarray:
     """Start offsets [B] of the windows of one step."""
-    if n_tokens < seq_len + 1:
-        raise DataError(f"seq_len={seq_len} needs at least {seq_len + 1} tokens, but the "
-                        f"split has only {n_tokens}")
+    require_window(n_tokens, seq_len)
     rng = np.random.Generator(np.random.Philox(key=[seed, step]))
     return rng.integers(0, n_tokens - seq_len, size=batch_size)
 

@@ -4,11 +4,10 @@ from jmegatron.models.config import GPTConfig
 from jmegatron.models.gpt import GPT
 from jmegatron.models.loss import (TokenLoss, cross_entropy, dense_token_loss,
                                    vocab_parallel_token_loss)
-from jmegatron.models.sharded import (create_sharded, logical_axes,
-                                      state_shardings, validate_sharding)
+from jmegatron.models.sharded import create_sharded, state_shardings, validate_sharding
 
 __all__ = [
     "GPTConfig", "GPT", "cross_entropy", "dense_token_loss", "vocab_parallel_token_loss",
-    "TokenLoss", "create_sharded", "state_shardings", "logical_axes",
+    "TokenLoss", "create_sharded", "state_shardings",
     "validate_sharding",
 ]

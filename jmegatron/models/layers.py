@@ -9,7 +9,7 @@ from flax import nnx
 from jmegatron.models.config import GPTConfig
 from jmegatron.sharding import rules as ax
 from jmegatron.sharding.rules import (active_mesh_and_rules, constrain, logical_to_spec,
-                                      mesh_axes_of)
+                                      mesh_axes_of, spec_axes)
 
 
 def param(rngs: nnx.Rngs, shape: tuple[int, ...], logical: tuple[str | None, ...],
@@ -36,11 +36,14 @@ def embed_lookup(table: jax.Array, tokens: jax.Array) -> jax.Array:
     both vocab and embed replicates the whole activation.)
     """
     active = active_mesh_and_rules()
-    vocab_axes = () if active is None else tuple(
-        a for a in mesh_axes_of(ax.VOCAB, active[1]) if active[0].shape[a] > 1)
-    if not vocab_axes:
-        return constrain(table[tokens], (ax.BATCH, ax.SEQ, ax.ACT_EMBED))
+    if active is None:
+        return table[tokens]
     mesh, rules = active
+    vocab_axes = tuple(a for a in mesh_axes_of(ax.VOCAB, rules) if mesh.shape[a] > 1)
+    batch_axes = spec_axes(logical_to_spec((ax.BATCH,), rules)[0])
+    if not vocab_axes or set(vocab_axes) & set(batch_axes):
+        # Not split (or split like the batch, which validate_sharding refuses): plain gather.
+        return constrain(table[tokens], (ax.BATCH, ax.SEQ, ax.ACT_EMBED))
 
     def local(table_block, tokens_block):   # [V/tp, D], [B/dp, T]
         v_local = table_block.shape[0]

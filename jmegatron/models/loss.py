@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jmegatron.sharding import rules as ax
-from jmegatron.sharding.rules import Rules, logical_to_spec, mesh_axes_of
+from jmegatron.sharding.rules import Rules, logical_to_spec, spec_axes
 
 _NEG = jnp.finfo(jnp.float32).min   # logit of a padded vocabulary entry
 
@@ -43,11 +43,12 @@ def dense_token_loss(logits: jax.Array, targets: jax.Array, vocab_size: int) -> 
 def vocab_parallel_token_loss(logits: jax.Array, targets: jax.Array, vocab_size: int,
                               mesh: jax.sharding.Mesh, rules: Rules) -> TokenLoss:
     """``dense_token_loss`` for logits sharded over the vocabulary."""
-    vocab_axes = tuple(a for a in mesh_axes_of(ax.ACT_VOCAB, rules) if mesh.shape[a] > 1)
-    if not vocab_axes:
-        return dense_token_loss(logits, targets, vocab_size)
     logits_spec = logical_to_spec((ax.BATCH, ax.SEQ, ax.ACT_VOCAB), rules)
     token_spec = logical_to_spec((ax.BATCH, ax.SEQ), rules)
+    # The axes the vocabulary is really split over in the spec (the batch takes precedence).
+    vocab_axes = tuple(a for a in spec_axes(logits_spec[2]) if mesh.shape[a] > 1)
+    if not vocab_axes:
+        return dense_token_loss(logits, targets, vocab_size)
 
     def local(logits_block, targets_block):   # [B/dp, T, V/tp], [B/dp, T]
         v_local = logits_block.shape[-1]

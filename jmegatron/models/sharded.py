@@ -8,7 +8,9 @@ import jax
 from flax import nnx
 from jax.sharding import NamedSharding
 
-from jmegatron.sharding.rules import BATCH, DEFAULT_RULES, Rules, check_divisible, logical_to_spec
+from jmegatron.sharding.rules import (BATCH, DEFAULT_RULES, Rules, check_divisible,
+                                      check_vocab_apart_from_batch, logical_axes_of,
+                                      logical_to_spec)
 
 M = TypeVar("M", bound=nnx.Module)
 
@@ -25,19 +27,14 @@ def validate_sharding(logical_dims: Mapping[str, int], mesh_shape: Mapping[str, 
     if batch_size is not None:
         dims[BATCH] = batch_size
     check_divisible(dims, mesh_shape, rules)
-
-
-def logical_axes(state: nnx.State) -> nnx.State:
-    """The logical axes tuple of every variable (``None`` for unnamed ones)."""
-    return jax.tree.map(lambda v: v.get_metadata().get("out_sharding"), state,
-                        is_leaf=lambda v: isinstance(v, nnx.Variable))
+    check_vocab_apart_from_batch(mesh_shape, rules)
 
 
 def state_shardings(state: nnx.State, mesh: jax.sharding.Mesh,
                     rules: Rules = DEFAULT_RULES) -> nnx.State:
     """NamedSharding of every variable in ``state`` under ``rules``."""
     def sharding(v: nnx.Variable) -> NamedSharding:
-        names = v.get_metadata().get("out_sharding") or (None,) * len(v.shape)
+        names = logical_axes_of(v) or (None,) * len(v.shape)
         return NamedSharding(mesh, logical_to_spec(names, rules))
 
     return jax.tree.map(sharding, state, is_leaf=lambda v: isinstance(v, nnx.Variable))

@@ -3,14 +3,18 @@
 from jmegatron.optim.coefficients import COEFFICIENT_SETS, CoefficientSet, coefficient_set
 from jmegatron.optim.muon import (MOONLIGHT_RMS, MuonState, muon, muon_flops, scale_by_muon,
                                   update_scale)
-from jmegatron.optim.newton_schulz import frobenius_normalize, newton_schulz, ns_flops
-from jmegatron.optim.routing import (ADAMW, MATRIX, MatrixSpec, Piece, Route, Routing, describe,
-                                     labels, leaf_routes, map_matrices, matrix_pieces, route)
+from jmegatron.optim.newton_schulz import newton_schulz, ns_flops
+from jmegatron.optim.routing import (ADAMW, MATRIX, LeafRoute, MatrixSpec, Piece, Route, Routing,
+                                     describe, labels, leaf_routes, map_matrices, matrix_pieces,
+                                     route)
+from jmegatron.optim.tensor_parallel import (TP_MODES, TensorParallel, TPCostModel,
+                                             tp_newton_schulz)
 
 __all__ = [
     "COEFFICIENT_SETS", "CoefficientSet", "coefficient_set",
-    "newton_schulz", "ns_flops", "frobenius_normalize",
+    "newton_schulz", "ns_flops",
     "MuonState", "scale_by_muon", "muon", "muon_flops", "update_scale", "MOONLIGHT_RMS",
     "Routing", "Route", "MatrixSpec", "Piece", "route", "labels", "leaf_routes", "describe",
-    "map_matrices", "matrix_pieces", "ADAMW", "MATRIX",
+    "map_matrices", "matrix_pieces", "ADAMW", "MATRIX", "LeafRoute",
+    "TP_MODES", "TensorParallel", "TPCostModel", "tp_newton_schulz",
 ]

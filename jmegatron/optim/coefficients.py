@@ -16,6 +16,8 @@ import dataclasses
 import itertools
 from typing import Literal, Sequence
 
+import numpy as np
+
 Coefficients = tuple[float, float, float]
 
 
@@ -99,9 +101,7 @@ def coefficient_set(coefficients: str | Coefficients | Sequence[Coefficients] | 
             raise ValueError(f"unknown coefficient set {coefficients!r}; "
                              f"choose one of {sorted(COEFFICIENT_SETS)} or pass (a, b, c) tuples")
         return COEFFICIENT_SETS[coefficients]
-    steps = tuple(coefficients)
-    if steps and not isinstance(steps[0], (tuple, list)):
-        steps = (steps,)
-    if not steps or any(len(s) != 3 for s in steps):
+    array = np.asarray(coefficients, dtype=np.float64)   # tuples, lists or (n, 3) arrays
+    if array.size == 0 or array.shape[-1] != 3 or array.ndim > 2:
         raise ValueError(f"coefficients must be (a, b, c) or a list of them, got {coefficients!r}")
-    return CoefficientSet("custom", tuple(tuple(float(v) for v in s) for s in steps))
+    return CoefficientSet("custom", tuple(tuple(map(float, row)) for row in array.reshape(-1, 3)))

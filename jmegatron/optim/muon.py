@@ -11,8 +11,10 @@ import optax
 
 from jmegatron.optim.coefficients import CoefficientSet, coefficient_set
 from jmegatron.optim.newton_schulz import newton_schulz, ns_flops
-from jmegatron.optim.routing import (ADAMW, MATRIX, MatrixSpec, Routing, labels, leaf_routes,
+from jmegatron.optim.routing import (ADAMW, MATRIX, LeafRoute, Routing, labels, leaf_routes,
                                      map_matrices, matrix_pieces)
+from jmegatron.optim.tensor_parallel import TensorParallel, TPMode, tp_newton_schulz
+from jmegatron.sharding.rules import DEFAULT_RULES, Rules
 
 ScaleMode = Literal["spectral", "shape", "unit_rms", "none"]
 MOONLIGHT_RMS = 0.2   # spectral x 0.2 gives updates with AdamW's typical RMS
@@ -23,13 +25,17 @@ class MuonState(NamedTuple):
     momentum: optax.Updates
 
 
-def update_scale(mode: ScaleMode, fan_in: int, fan_out: int, rms_factor: float = 1.0) -> float:
+def update_scale(mode: ScaleMode, fan_in: int, fan_out: int,
+                 rms_factor: float | None = None) -> float:
     """Multiplier of an orthogonalized fan_in x fan_out update.
 
-    spectral: sqrt(max(fan_in, fan_out)), unit RMS (Moonlight with rms_factor 0.2);
-    shape: sqrt(max(1, fan_out / fan_in)) (Keller Jordan's Muon);
-    unit_rms: sqrt(fan_out / fan_in) (unit RMS-to-RMS operator norm); none: 1.
+    spectral: sqrt(max(fan_in, fan_out)), unit RMS; shape: sqrt(max(1, fan_out /
+    fan_in)) (Keller Jordan's Muon); unit_rms: sqrt(fan_out / fan_in) (unit
+    RMS-to-RMS operator norm); none: 1. Times ``rms_factor``, by default 0.2
+    for spectral (Moonlight: AdamW's update RMS) and 1 for the others.
     """
+    if rms_factor is None:
+        rms_factor = MOONLIGHT_RMS if mode == "spectral" else 1.0
     base = {"spectral": math.sqrt(max(fan_in, fan_out)),
             "shape": math.sqrt(max(1.0, fan_out / fan_in)),
             "unit_rms": math.sqrt(fan_out / fan_in),
@@ -57,8 +63,10 @@ def scale_by_muon(*, coefficients: str | CoefficientSet | tuple = "quintic",
                   steps: int | None = None, beta: float = 0.95, nesterov: bool = True,
                   momentum: Literal["ema", "sum"] = "ema", bias_correction: bool = False,
                   momentum_dtype=None, scale: ScaleMode = "spectral",
-                  rms_factor: float = MOONLIGHT_RMS, matmul_dtype=jnp.float32,
-                  routing: Routing = Routing()) -> optax.GradientTransformation:
+                  rms_factor: float | None = None, matmul_dtype=jnp.float32,
+                  routing: Routing = Routing(), tp_mode: TPMode = "auto",
+                  mesh: jax.sharding.Mesh | None = None,
+                  rules: Rules = DEFAULT_RULES) -> optax.GradientTransformation:
     """Muon's direction: momentum, Newton-Schulz orthogonalization, shape scale.
 
     Every leaf it sees must be a matrix (or a stack of them) under ``routing``;
@@ -67,6 +75,11 @@ def scale_by_muon(*, coefficients: str | CoefficientSet | tuple = "quintic",
     Momentum is an EMA (``g`` weighted ``1 - beta``) or a sum; with
     ``bias_correction`` the EMA form equals ``optax.contrib.scale_by_muon``.
 
+    With a ``mesh``, matrices whose logical axes ``rules`` split over the
+    tensor axis are orthogonalized in ``jax.shard_map`` with ``tp_mode``
+    (duplicated, distributed, blockwise, or auto per matrix; see
+    ``jmegatron.optim.tensor_parallel``); other matrices take the plain path.
+
     References:
       Jordan et al., "Muon: An optimizer for hidden layers in neural
         networks", 2024 (kellerjordan.github.io/posts/muon).
@@ -74,30 +87,42 @@ def scale_by_muon(*, coefficients: str | CoefficientSet | tuple = "quintic",
       Bernstein & Newhouse, "Old Optimizer, New Norm: An Anthology",
         arXiv:2409.20325, 2024.
     """
-    def orthogonalize(u: jax.Array, spec: MatrixSpec) -> jax.Array:
+    tp = None if mesh is None else TensorParallel(mesh, rules, tp_mode)
+    ns = dict(steps=steps, coefficients=coefficients, matmul_dtype=matmul_dtype)
+    n_steps = coefficient_set(coefficients).default_steps if steps is None else steps
+    memo: dict = {}   # routes seen with logical axes, for updates that arrive without
+
+    def orthogonalize(u: jax.Array, leaf: LeafRoute) -> jax.Array:
+        side = None if tp is None else tp.side(leaf.route.spec, leaf.logical)
+
         def block(stack, fan_in, fan_out):
-            ortho = newton_schulz(stack, steps=steps, coefficients=coefficients,
-                                  matmul_dtype=matmul_dtype)
+            if side is None:
+                return newton_schulz(stack, **ns) * update_scale(scale, fan_in, fan_out,
+                                                                 rms_factor)
+            mode = tp.mode_for(fan_in, fan_out, side, n_steps)
+            if mode == "blockwise":   # each block is a matrix of its own, scale included
+                fan_in, fan_out = ((fan_in // tp.size, fan_out) if side == "in"
+                                   else (fan_in, fan_out // tp.size))
+            ortho = tp_newton_schulz(stack, side, mode, tp, **ns)
             return ortho * update_scale(scale, fan_in, fan_out, rms_factor)
-        return map_matrices(block, u, spec)
+        return map_matrices(block, u, leaf.route.spec)
 
     def init_fn(params):
-        _matrix_routes(params, routing)   # fail early on a leaf that is no matrix
-        dtype = lambda x: momentum_dtype or x.dtype
-        return MuonState(jnp.zeros([], jnp.int32),
-                         jax.tree.map(lambda x: jnp.zeros(x.shape, dtype(x)), params))
+        _matrix_routes(params, routing, memo)   # fail early on a leaf that is no matrix
+        zeros = lambda x: jnp.zeros_like(x, dtype=momentum_dtype or x.dtype)  # keeps sharding
+        return MuonState(jnp.zeros([], jnp.int32), jax.tree.map(zeros, params))
 
     def update_fn(updates, state, params=None):
         del params
-        routes = _matrix_routes(updates, routing)
+        leaves = _matrix_routes(updates, routing, memo)
         count = optax.safe_increment(state.count)
         flat, treedef = jax.tree.flatten(updates)
         moms = treedef.flatten_up_to(state.momentum)
         new_updates, new_moms = [], []
-        for g, m, route in zip(flat, moms, routes):
+        for g, m, leaf in zip(flat, moms, leaves):
             m32, direction = _momentum_step(g.astype(jnp.float32), m.astype(jnp.float32), count,
                                             beta, momentum, nesterov, bias_correction)
-            new_updates.append(orthogonalize(direction, route.spec).astype(g.dtype))
+            new_updates.append(orthogonalize(direction, leaf).astype(g.dtype))
             new_moms.append(m32.astype(m.dtype))
         return (treedef.unflatten(new_updates),
                 MuonState(count, treedef.unflatten(new_moms)))
@@ -105,21 +130,23 @@ def scale_by_muon(*, coefficients: str | CoefficientSet | tuple = "quintic",
     return optax.GradientTransformation(init_fn, update_fn)
 
 
-def _matrix_routes(tree, routing: Routing) -> list:
-    """The Route of every leaf; each must be a matrix."""
-    for path, route in (pairs := leaf_routes(tree, routing)):
-        if route.kind != MATRIX:
-            raise ValueError(f"scale_by_muon got {path}, which routing sends to AdamW "
-                             f"({route.rule}); use jmegatron.optim.muon to split the tree")
-    return [route for _, route in pairs]
+def _matrix_routes(tree, routing: Routing, memo: dict) -> list[LeafRoute]:
+    """The LeafRoute of every leaf; each must be a matrix."""
+    leaves = leaf_routes(tree, routing, memo)
+    for leaf in leaves:
+        if leaf.route.kind != MATRIX:
+            raise ValueError(f"scale_by_muon got {leaf.path}, which routing sends to AdamW "
+                             f"({leaf.route.rule}); use jmegatron.optim.muon to split the tree")
+    return leaves
 
 
 def muon(learning_rate: optax.ScalarOrSchedule, *,
          coefficients: str | CoefficientSet | tuple = "quintic", steps: int | None = None,
          beta: float = 0.95, nesterov: bool = True, momentum: Literal["ema", "sum"] = "ema",
          bias_correction: bool = False, momentum_dtype=None, scale: ScaleMode = "spectral",
-         rms_factor: float = MOONLIGHT_RMS, weight_decay: float = 0.0,
-         matmul_dtype=jnp.float32, routing: Routing = Routing(),
+         rms_factor: float | None = None, weight_decay: float = 0.0,
+         matmul_dtype=jnp.float32, routing: Routing = Routing(), tp_mode: TPMode = "auto",
+         mesh: jax.sharding.Mesh | None = None, rules: Rules = DEFAULT_RULES,
          adam_learning_rate: optax.ScalarOrSchedule | None = None, adam_b1: float = 0.9,
          adam_b2: float = 0.95, adam_eps: float = 1e-8, adam_weight_decay: float = 0.0,
          adam_weight_decay_mask=None) -> optax.GradientTransformation:
@@ -140,19 +167,21 @@ def muon(learning_rate: optax.ScalarOrSchedule, *,
         scale_by_muon(coefficients=coefficients, steps=steps, beta=beta, nesterov=nesterov,
                       momentum=momentum, bias_correction=bias_correction,
                       momentum_dtype=momentum_dtype, scale=scale, rms_factor=rms_factor,
-                      matmul_dtype=matmul_dtype, routing=routing),
+                      matmul_dtype=matmul_dtype, routing=routing, tp_mode=tp_mode,
+                      mesh=mesh, rules=rules),
         optax.add_decayed_weights(weight_decay),
         optax.scale_by_learning_rate(learning_rate))
     adam = optax.adamw(learning_rate if adam_learning_rate is None else adam_learning_rate,
                        b1=adam_b1, b2=adam_b2, eps=adam_eps, weight_decay=adam_weight_decay,
                        mask=adam_weight_decay_mask)
+    memo: dict = {}
     return optax.partition({"muon": matrix, ADAMW: adam},
-                           lambda params: labels(params, routing, "muon"))
+                           lambda params: labels(params, routing, "muon", memo))
 
 
 def muon_flops(params, routing: Routing = Routing(), steps: int | None = None,
                coefficients: str | CoefficientSet | tuple = "quintic", syrk: bool = False) -> int:
     """Newton-Schulz FLOPs of one Muon step on ``params``."""
-    n = steps or coefficient_set(coefficients).default_steps
+    n = coefficient_set(coefficients).default_steps if steps is None else steps
     return sum(p.count * ns_flops(p.fan_in, p.fan_out, n, syrk)
                for p in matrix_pieces(params, routing))

@@ -3,8 +3,9 @@
 Hidden matrices (and stacked [L, ...] or per-expert [L, E, ...] batches of
 them) go to the matrix optimizer (Muon, SOAP); embeddings, the output head,
 norms, biases and the MoE router go to AdamW. Decisions come from the
-parameter's logical axes when it has them (jmegatron models), otherwise from
-its path and shape. A leaf no rule matches is an error.
+parameter's logical axes when it carries jmegatron's (see
+``jmegatron.sharding.rules``), otherwise from its path and shape. A leaf no
+rule matches is an error.
 """
 
 from __future__ import annotations
@@ -12,15 +13,18 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from typing import Callable, Iterator
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
+
+from jmegatron.sharding import rules as ax
+from jmegatron.sharding.rules import DEFAULT_RULES, logical_axes_of
 
 MATRIX, ADAMW = "matrix", "adamw"
-BATCH_AXES = ("layers", "experts")      # logical axes that stack independent matrices
-HEAD_AXES = ("heads", "kv_heads", "qkv")  # become batch axes in per-head mode
+BATCH_AXES = (ax.LAYERS, ax.EXPERTS)          # logical axes that stack independent matrices
+HEAD_AXES = (ax.HEADS, ax.KV_HEADS, ax.QKV)   # become batch axes in per-head mode
+KNOWN_AXES = frozenset(name for name, _ in DEFAULT_RULES)
 _ADAMW_NAME = re.compile(r"(^|[_.])(embed\w*|wte|wpe|lm_head|head|unembed\w*|\w*norm\w*|ln_\w+|"
                          r"bias|\w+_bias|scale)$")
 
@@ -113,6 +117,8 @@ class Routing:
     custom: Callable[[str, tuple[int, ...], tuple | None], Route | None] | None = None
 
     def route(self, path: str, shape: tuple[int, ...], logical: tuple | None) -> Route:
+        if logical is not None and not set(filter(None, logical)) <= KNOWN_AXES:
+            logical = None   # someone else's axis names: decide by name and shape
         if self.custom is not None:
             decision = self.custom(path, shape, logical)
             if decision is not None:
@@ -141,31 +147,29 @@ def _logical(opts, path, shape, logical) -> Route | None:
     """jmegatron params: [batch..., embed, out...] or [batch..., in..., embed]."""
     if logical is None:
         return None
-    if "vocab" in logical:
+    if ax.VOCAB in logical:
         return Route(ADAMW, "embedding or output head (vocab axis)")
-    if "norm" in logical:
+    if ax.NORM in logical:
         return Route(ADAMW, "norm scale")
     batch = set(BATCH_AXES) | (set(HEAD_AXES) if opts.per_head else set())
     rest = [i for i, name in enumerate(logical) if name not in batch]
-    if not rest or "embed" not in (logical[rest[0]], logical[rest[-1]]):
+    if len(rest) < 2 or ax.EMBED not in (logical[rest[0]], logical[rest[-1]]):
         return None
-    if logical[rest[0]] == "embed":
+    if logical[rest[0]] == ax.EMBED:
         in_axes, out_axes = (rest[0],), tuple(rest[1:])
     else:
         in_axes, out_axes = tuple(rest[:-1]), (rest[-1],)
-    if not out_axes or not in_axes:
-        return None
     split = _split(logical, shape) if opts.split_qkv else None
     spec = MatrixSpec(in_axes, out_axes, *split) if split else MatrixSpec(in_axes, out_axes)
     return Route(MATRIX, "hidden matrix (logical axes)", spec)
 
 
 def _split(logical, shape):
-    if "qkv" in logical:
-        axis = logical.index("qkv")
+    if ax.QKV in logical:
+        axis = logical.index(ax.QKV)
         return axis, (shape[axis] - 2, 1, 1), ("q", "k", "v")
-    if "glu" in logical:
-        axis = logical.index("glu")
+    if ax.GLU in logical:
+        axis = logical.index(ax.GLU)
         return axis, (1, 1), ("gate", "up")
     return None
 
@@ -183,49 +187,73 @@ def _by_name_and_shape(opts, path, shape, logical) -> Route | None:
     return None
 
 
-def _is_variable(x) -> bool:
-    return isinstance(x, nnx.Variable)
+class LeafRoute(NamedTuple):
+    """A leaf's path, shape, logical axes (None for plain arrays) and Route."""
+
+    path: str
+    shape: tuple[int, ...]
+    logical: tuple | None
+    route: Route
 
 
-def _leaf_info(node) -> tuple[tuple[int, ...], tuple | None]:
-    if _is_variable(node):
-        return tuple(node.shape), node.get_metadata().get("out_sharding")
-    return tuple(jnp.shape(node)), None
+def _is_annotated(node) -> bool:
+    return hasattr(node, "get_metadata")   # a Flax variable
 
 
-def route(params, routing: Routing = Routing()):
-    """A tree (a prefix of ``params``: one entry per leaf or NNX variable) of Routes."""
-    def decide(path, node):
-        shape, logical = _leaf_info(node)
-        return routing.route(jax.tree_util.keystr(path), shape, logical)
-    return jax.tree.map_with_path(decide, params, is_leaf=_is_variable)
+def leaf_routes(tree, routing: Routing = Routing(),
+                memo: dict[str, LeafRoute] | None = None) -> list[LeafRoute]:
+    """The LeafRoute of every array leaf of ``tree``, in ``jax.tree.leaves`` order.
+
+    ``memo`` remembers routes decided with logical axes, by path, for trees of
+    the same params that lost their metadata (``nnx.Optimizer`` updates with
+    plain arrays).
+    """
+    out = []
+    for path, node in jax.tree.leaves_with_path(tree, is_leaf=_is_annotated):
+        name = jax.tree_util.keystr(path).removesuffix(".value")
+        if len(jax.tree.leaves(node)) != 1:
+            raise ValueError(f"{name} holds {len(jax.tree.leaves(node))} arrays, expected 1")
+        logical = logical_axes_of(node)
+        if logical is None and memo is not None and name in memo:
+            out.append(memo[name])
+            continue
+        shape = tuple(jnp.shape(jax.tree.leaves(node)[0]))
+        leaf = LeafRoute(name, shape, logical, routing.route(name, shape, logical))
+        if memo is not None and logical is not None:
+            memo[name] = leaf
+        out.append(leaf)
+    return out
 
 
-def labels(params, routing: Routing = Routing(), matrix_label: str = "muon"):
+def route(params, routing: Routing = Routing(), memo: dict | None = None):
+    """A tree of Routes (a prefix of ``params``: one per leaf or Flax variable)."""
+    treedef = jax.tree.structure(params, is_leaf=_is_annotated)
+    return treedef.unflatten([leaf.route for leaf in leaf_routes(params, routing, memo)])
+
+
+def labels(params, routing: Routing = Routing(), matrix_label: str = "muon",
+           memo: dict | None = None):
     """``optax.partition`` labels: ``matrix_label`` or "adamw" per leaf."""
     return jax.tree.map(lambda r: matrix_label if r.kind == MATRIX else ADAMW,
-                        route(params, routing), is_leaf=lambda r: isinstance(r, Route))
+                        route(params, routing, memo), is_leaf=lambda r: isinstance(r, Route))
 
 
-def _walk(params, routing: Routing) -> Iterator[tuple[str, tuple[int, ...], tuple | None, Route]]:
-    for path, node in jax.tree.leaves_with_path(params, is_leaf=_is_variable):
-        shape, logical = _leaf_info(node)
-        name = jax.tree_util.keystr(path)
-        yield name, shape, logical, routing.route(name, shape, logical)
-
-
-def describe(params, routing: Routing = Routing(), matrix_name: str = "muon") -> str:
-    """A table: every leaf with its optimizer, matrix blocks and batch axes."""
+def describe(params, routing: Routing = Routing(), matrix_name: str = "muon",
+             block_note: Callable[[LeafRoute, Piece], str] | None = None) -> str:
+    """A table: every leaf with its optimizer, matrix blocks and batch axes
+    (``block_note`` appends a note per block, e.g. its tensor-parallel mode)."""
     rows = [("leaf", "shape", "optimizer", "matrices", "batch axes", "rule")]
-    for name, shape, logical, r in _walk(params, routing):
-        if r.kind == MATRIX:
-            blocks = ", ".join(f"{p.name + ': ' if p.name else ''}{p.count} x "
-                               f"[{p.fan_in}, {p.fan_out}]" for p in r.spec.pieces(shape))
-            batch = [i for i in range(len(shape)) if i not in r.spec.in_axes + r.spec.out_axes]
-            names = [logical[i] if logical else str(i) for i in batch]
-            rows.append((name, str(shape), matrix_name, blocks, ",".join(names) or "-", r.rule))
-        else:
+    for leaf in leaf_routes(params, routing):
+        name, shape, logical, r = leaf
+        if r.kind != MATRIX:
             rows.append((name, str(shape), ADAMW, "-", "-", r.rule))
+            continue
+        blocks = ", ".join(
+            f"{p.name + ': ' if p.name else ''}{p.count} x [{p.fan_in}, {p.fan_out}]"
+            + (f" {block_note(leaf, p)}" if block_note else "") for p in r.spec.pieces(shape))
+        batch = [i for i in range(len(shape)) if i not in r.spec.in_axes + r.spec.out_axes]
+        names = [logical[i] if logical else str(i) for i in batch]
+        rows.append((name, str(shape), matrix_name, blocks, ",".join(names) or "-", r.rule))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip()
                      for row in rows)
@@ -233,17 +261,5 @@ def describe(params, routing: Routing = Routing(), matrix_name: str = "muon") ->
 
 def matrix_pieces(params, routing: Routing = Routing()) -> list[Piece]:
     """Every block the matrix optimizer orthogonalizes (for FLOP counts)."""
-    return [p for _, shape, _, r in _walk(params, routing) if r.kind == MATRIX
-            for p in r.spec.pieces(shape)]
-
-
-def leaf_routes(tree, routing: Routing = Routing()) -> list[tuple[str, Route]]:
-    """(path, Route) of every array leaf of ``tree``, in ``jax.tree.leaves`` order."""
-    out = []
-    for path, node in jax.tree.leaves_with_path(tree, is_leaf=_is_variable):
-        name = jax.tree_util.keystr(path)
-        if len(jax.tree.leaves(node)) != 1:
-            raise ValueError(f"{name} holds {len(jax.tree.leaves(node))} arrays, expected 1")
-        shape, logical = _leaf_info(node)
-        out.append((name, routing.route(name, shape, logical)))
-    return out
+    return [p for leaf in leaf_routes(params, routing) if leaf.route.kind == MATRIX
+            for p in leaf.route.spec.pieces(leaf.shape)]

@@ -116,6 +116,8 @@ class CollectiveReport:
             lines.append(f"{kind:<20} {axes:<22} {n:>6} {b:>14,.0f}")
         if not rows:
             lines.append("(no collectives)")
+        if self.unknown_trip_counts:
+            lines.append("(some loop had no static trip count: its collectives count once)")
         return "\n".join(lines)
 
     def __str__(self) -> str:
@@ -139,6 +141,8 @@ def hlo_collectives(fn: Callable[..., Any], *args: Any,
 def parse_collectives(hlo_text: str, mesh: jax.sharding.Mesh | None = None) -> CollectiveReport:
     """Collectives of an optimized HLO module given as text."""
     computations, entry = _split_computations(hlo_text)
+    if entry is None:
+        raise ValueError("no ENTRY computation found: is this an HLO module's text?")
     runs, unknown = _executions(computations, entry)
     partitions = re.search(r"num_partitions=(\d+)", hlo_text)
     n_devices = mesh.size if mesh is not None else int(partitions[1]) if partitions else 1
@@ -148,6 +152,11 @@ def parse_collectives(hlo_text: str, mesh: jax.sharding.Mesh | None = None) -> C
             m = _INSTR.match(line)
             if m:
                 found.append(_collective(m, comp, runs.get(comp, 0), mesh, n_devices))
+    # A newer XLA may print a form this parser does not know: fail, never report zero.
+    opcodes = len(re.findall(rf" (?:{_OPS})\(", hlo_text))
+    if opcodes != len(found):
+        raise ValueError(f"the HLO has {opcodes} collective instructions but only {len(found)} "
+                         "were parsed; the HLO text format may have changed")
     return CollectiveReport(tuple(c for c in found if c.executions), unknown)
 
 

@@ -85,6 +85,11 @@ def mesh_axes_of(logical: str | None, rules: Rules) -> tuple[str, ...]:
     return _as_tuple(table[logical])
 
 
+def spec_axes(entry) -> tuple[str, ...]:
+    """Mesh axes of one PartitionSpec entry (None, a name, or a tuple of names)."""
+    return _as_tuple(entry)
+
+
 def logical_to_spec(logical_axes: Sequence[str | None], rules: Rules) -> P:
     """PartitionSpec for an array whose dims carry ``logical_axes``.
 
@@ -98,6 +103,24 @@ def logical_to_spec(logical_axes: Sequence[str | None], rules: Rules) -> P:
         used.update(axes)
         spec.append(None if not axes else axes[0] if len(axes) == 1 else axes)
     return P(*spec)
+
+
+def logical_axes_of(node) -> tuple[str | None, ...] | None:
+    """The logical axes a Flax variable carries (its ``out_sharding`` metadata), or
+    None for plain arrays and unannotated variables."""
+    get_metadata = getattr(node, "get_metadata", None)
+    return None if get_metadata is None else get_metadata().get("out_sharding")
+
+
+def check_vocab_apart_from_batch(mesh_shape: Mapping[str, int], rules: Rules) -> None:
+    """The vocab-parallel embedding and loss sum over the vocab axes: those must
+    not also split the batch, or rows of different sequences would be added."""
+    live = lambda name: {a for a in mesh_axes_of(name, rules) if mesh_shape.get(a, 1) > 1}
+    for vocab in (VOCAB, ACT_VOCAB):
+        shared = live(vocab) & live(BATCH)
+        if shared:
+            raise ValueError(f"{vocab} and batch both use mesh axes {sorted(shared)}; "
+                             "map them to different axes in the rules")
 
 
 def check_divisible(dims: Mapping[str, int], mesh_shape: Mapping[str, int],

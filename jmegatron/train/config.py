@@ -21,31 +21,35 @@ class DataConfig:
 
 
 @dataclasses.dataclass(frozen=True)
-class OptimConfig:
-    """Optimizer and learning-rate schedule."""
+class ScheduleConfig:
+    """Learning-rate schedule: linear warmup, then a decay."""
 
-    name: Literal["muon", "adamw"] = "muon"
-    """muon: Muon for hidden matrices and AdamW for the rest; adamw: AdamW for all."""
-    lr: float = 3e-3
-    """Peak learning rate (of both groups: Muon's updates are scaled to AdamW's RMS)."""
-    schedule: Literal["cosine", "linear", "wsd", "constant"] = "cosine"
+    kind: Literal["cosine", "linear", "wsd", "constant"] = "cosine"
     """Decay after warmup: cosine, linear, warmup-stable-decay, or none."""
     warmup_steps: int = 30
     min_lr_ratio: float = 0.1
     """Final learning rate as a fraction of the peak."""
     decay_fraction: float = 0.2
     """wsd only: the share of steps spent decaying at the end."""
+
+
+@dataclasses.dataclass(frozen=True)
+class AdamWConfig:
+    """AdamW: every parameter under --optim adamw; the non-matrix ones under Muon."""
+
+    lr: float | None = None
+    """Peak learning rate of the AdamW group (default: --lr)."""
     b1: float = 0.9
-    """AdamW's first-moment decay."""
     b2: float = 0.95
-    """AdamW's second-moment decay."""
     eps: float = 1e-8
-    weight_decay: float = 0.1
-    """Decoupled weight decay on matrices and embeddings (never on norm scales)."""
-    grad_clip: float = 1.0
-    """Clip the global gradient norm to this (0 disables)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class MuonConfig:
+    """Muon's options (used with --optim muon)."""
+
     momentum: float = 0.95
-    """Muon's momentum decay (an EMA, Nesterov style)."""
+    """Momentum decay (an EMA, Nesterov style)."""
     ns_coefficients: Literal["simple", "quintic", "polar_express", "cans", "aol", "cubic"] = (
         "quintic")
     """Newton-Schulz coefficient set."""
@@ -53,13 +57,17 @@ class OptimConfig:
     """Newton-Schulz iterations (default: the coefficient set's own, 5 for most)."""
     ns_dtype: Literal["float32", "bfloat16"] = "float32"
     """Matmul dtype inside Newton-Schulz (accumulation is always fp32)."""
-    muon_scale: Literal["spectral", "shape", "unit_rms", "none"] = "spectral"
+    scale: Literal["spectral", "shape", "unit_rms", "none"] = "spectral"
     """Update scale by matrix shape; spectral x rms_factor 0.2 matches AdamW's RMS."""
-    rms_factor: float = 0.2
+    rms_factor: float | None = None
+    """Extra update factor (default: 0.2 for spectral, Moonlight; 1 otherwise)."""
     split_qkv: bool = True
     """Orthogonalize Q, K, V (and gate, up) blocks of fused weights separately."""
     per_head: bool = False
     """Orthogonalize each attention head's block on its own."""
+    tp_mode: Literal["auto", "duplicated", "distributed", "blockwise"] = "auto"
+    """Newton-Schulz of tensor-parallel matrices: exact duplicated or distributed,
+    approximate blockwise, or auto (cheapest exact mode per matrix)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,9 +76,21 @@ class TrainConfig:
 
     model: GPTConfig = GPTConfig()
     mesh: MeshConfig = MeshConfig(data=2, fsdp=-1, tensor=2)
-    """Device mesh; the preset's default shrinks to fit machines with fewer devices."""
+    """Device mesh (-1: the rest of the devices)."""
+    fit_mesh: bool = True
+    """Shrink the mesh to the devices present (off once any --mesh.* flag is given)."""
     data: DataConfig = DataConfig()
-    optim: OptimConfig = OptimConfig()
+    optim: Literal["muon", "adamw"] = "muon"
+    """muon: Muon for hidden matrices and AdamW for the rest; adamw: AdamW for all."""
+    lr: float = 3e-3
+    """Peak learning rate (Muon's updates are scaled to AdamW's RMS, so one rate fits both)."""
+    weight_decay: float = 0.1
+    """Decoupled weight decay on matrices and embeddings (never on norm scales)."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this (0 disables)."""
+    schedule: ScheduleConfig = ScheduleConfig()
+    adamw: AdamWConfig = AdamWConfig()
+    muon: MuonConfig = MuonConfig()
     steps: int = 300
     """Optimizer steps to take."""
     batch_size: int = 32

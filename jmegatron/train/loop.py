@@ -15,7 +15,7 @@ from jax.sharding import NamedSharding
 from tqdm import tqdm
 
 from jmegatron.data import Corpus, eval_batch, load_corpus, make_batch, unigram_entropy
-from jmegatron.data.corpus import DataError
+from jmegatron.data.batches import require_window
 from jmegatron.models import GPT, GPTConfig, validate_sharding
 from jmegatron.sharding import DEFAULT_RULES, MeshConfig, Rules, logical_to_spec, make_mesh
 from jmegatron.sharding import rules as ax
@@ -29,22 +29,13 @@ from jmegatron.train.step import make_eval_step, make_loss_fn, make_train_step
 
 
 def fit_mesh(requested: MeshConfig, n_devices: int, shrink: bool) -> MeshConfig:
-    """``requested`` resolved for ``n_devices``; with ``shrink`` (a preset's default
-    mesh), data then tensor are halved until it fits instead of failing."""
+    """``requested`` resolved for ``n_devices``; with ``shrink`` (a mesh nobody set
+    explicitly), data then tensor are halved until it fits instead of failing."""
     mesh = requested
     while shrink and n_devices % (mesh.data * mesh.tensor):
         field = "data" if mesh.data > 1 else "tensor"
         mesh = dataclasses.replace(mesh, **{field: getattr(mesh, field) // 2})
     return mesh.resolve(n_devices)
-
-
-def check_lengths(corpus: Corpus, seq_len: int) -> None:
-    """Both splits must hold at least one window of seq_len + 1 tokens."""
-    for split in ("train", "val"):
-        n = len(getattr(corpus, split))
-        if n < seq_len + 1:
-            raise DataError(f"seq_len={seq_len} needs at least {seq_len + 1} tokens, but the "
-                            f"{split} split of {corpus.source!r} has only {n}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,9 +51,11 @@ class Plan:
 def plan_run(cfg: TrainConfig) -> Plan:
     """Resolves and checks mesh, corpus, model and batch; raises ValueError (or
     DataError) naming the numbers or path, before any compile."""
-    mesh = fit_mesh(cfg.mesh, jax.device_count(), shrink=cfg.mesh == TrainConfig().mesh)
+    mesh = fit_mesh(cfg.mesh, jax.device_count(), shrink=cfg.fit_mesh)
     corpus = load_corpus(cfg.data.path, cfg.data.val_fraction)
-    check_lengths(corpus, cfg.seq_len)
+    for split in ("train", "val"):
+        require_window(len(getattr(corpus, split)), cfg.seq_len,
+                       f"the {split} split of {corpus.source!r}")
     if cfg.model.vocab_size < corpus.vocab_size:
         raise ValueError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the "
                          f"corpus vocabulary ({corpus.vocab_size}, {corpus.source!r})")
@@ -84,7 +77,7 @@ class Trainer:
                                             logical_to_spec((ax.BATCH, ax.SEQ), self.rules))
         make_model = lambda: GPT(self.model_cfg, nnx.Rngs(cfg.seed))
         abstract_params = nnx.split(nnx.eval_shape(make_model))[1]
-        self.optimizer = make_optimizer(cfg.optim, cfg.steps, abstract_params)
+        self.optimizer = make_optimizer(cfg, abstract_params, self.mesh, self.rules)
         self.graphdef, self.state = create_train_state(make_model, self.optimizer.tx, self.mesh,
                                                        self.rules)
         loss_fn = make_loss_fn(self.graphdef, self.model_cfg, self.mesh, self.rules, cfg.z_loss)
@@ -141,6 +134,7 @@ class Run:
         t = self.t
         record = {"config": dataclasses.asdict(t.cfg), "mesh": t.mesh_cfg.sizes(),
                   "padded_vocab": t.model_cfg.vocab, "params": t.model_cfg.param_count(),
+                  "optimizer_flops_per_step": t.optimizer.flops_per_step,
                   "corpus": t.corpus.source, "devices": [str(d) for d in jax.devices()]}
         (self.dir / "config.json").write_text(json.dumps(record, indent=2))
         (self.dir / "routing.txt").write_text(t.optimizer.routing_table + "\n")
@@ -153,7 +147,7 @@ class Run:
               f"{len(t.corpus.val):,} val tokens | val unigram entropy {self.entropy:.3f} | "
               f"run dir {self.dir}")
         groups = t.optimizer.leaf_groups
-        t.log(f"optimizer {t.cfg.optim.name}: " + ", ".join(
+        t.log(f"optimizer {t.cfg.optim}: " + ", ".join(
             f"{groups.count(g)} leaves {g}" for g in sorted(set(groups))) +
             f" | Newton-Schulz {self.optimizer_flops / 1e9:.2f} GFLOP/step "
             f"(routing: {self.dir / 'routing.txt'})")
@@ -177,7 +171,8 @@ class Run:
                 bar.set_postfix(loss=f"{last['loss']:.3f}", tok_s=f"{tokens_per_step / dt:,.0f}")
             if done % cfg.eval_every == 0 or done == cfg.steps:
                 eval_loss = self._evaluate(done)
-                mark = time.perf_counter()   # evaluation time is not training time
+                # Evaluation time is not training time.
+                mark, mark_step = time.perf_counter(), done
             bar.update(1)
         bar.close()
         return self._summarize(time.perf_counter() - start, last, eval_loss)

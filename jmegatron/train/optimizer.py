@@ -7,40 +7,42 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import optax
-from flax import nnx
 
-from jmegatron.optim import ADAMW, MATRIX, Routing, describe, leaf_routes, muon, muon_flops
+from jmegatron.optim import (ADAMW, MATRIX, Routing, TensorParallel, describe, leaf_routes, muon,
+                             muon_flops)
+from jmegatron.optim.tensor_parallel import tp_note
 from jmegatron.sharding import rules as ax
-from jmegatron.train.config import OptimConfig
+from jmegatron.sharding.rules import DEFAULT_RULES, Rules, logical_axes_of
+from jmegatron.train.config import ScheduleConfig, TrainConfig
 
 
-def make_schedule(cfg: OptimConfig, steps: int) -> optax.Schedule:
-    """Linear warmup to ``lr`` (step s of the warmup uses (s+1)/warmup of it, so no
+def make_schedule(cfg: ScheduleConfig, peak: float, steps: int) -> optax.Schedule:
+    """Linear warmup to ``peak`` (step s of the warmup uses (s+1)/warmup of it, so no
     step is wasted at zero), then cosine, linear, warmup-stable-decay or constant."""
-    peak, floor = cfg.lr, cfg.lr * cfg.min_lr_ratio
+    floor = peak * cfg.min_lr_ratio
     warmup = min(cfg.warmup_steps, steps)
     rest = max(steps - warmup, 1)
-    if cfg.schedule == "cosine":
+    if cfg.kind == "cosine":
         decay = optax.cosine_decay_schedule(peak, rest, alpha=cfg.min_lr_ratio)
-    elif cfg.schedule == "linear":
+    elif cfg.kind == "linear":
         decay = optax.linear_schedule(peak, floor, rest)
-    elif cfg.schedule == "wsd":
+    elif cfg.kind == "wsd":
         decay_steps = max(int(steps * cfg.decay_fraction), 1)
         decay = optax.join_schedules(
             [optax.constant_schedule(peak), optax.linear_schedule(peak, floor, decay_steps)],
             [max(rest - decay_steps, 0)])
-    elif cfg.schedule == "constant":
+    elif cfg.kind == "constant":
         decay = optax.constant_schedule(peak)
     else:
-        raise ValueError(f"unknown schedule {cfg.schedule!r}")
+        raise ValueError(f"unknown schedule {cfg.kind!r}")
     warm = lambda step: peak * jnp.minimum(1.0, (step + 1) / max(warmup, 1))
     return optax.join_schedules([warm, decay], [warmup])
 
 
 def decay_mask(params):
     """True for parameters that take weight decay: everything but norm scales."""
-    return jax.tree.map(lambda v: ax.NORM not in (v.get_metadata().get("out_sharding") or ()),
-                        params, is_leaf=lambda v: isinstance(v, nnx.Variable))
+    return jax.tree.map(lambda v: ax.NORM not in (logical_axes_of(v) or ()), params,
+                        is_leaf=lambda v: logical_axes_of(v) is not None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,27 +56,35 @@ class Optimizer:
     routing_table: str              # who gets which optimizer (``describe``)
 
 
-def make_optimizer(cfg: OptimConfig, steps: int, abstract_params: nnx.State) -> Optimizer:
-    """Global-norm clipping, then Muon + AdamW (``name="muon"``) or AdamW alone."""
-    schedule = make_schedule(cfg, steps)
-    routing = Routing(split_qkv=cfg.split_qkv, per_head=cfg.per_head)
-    if cfg.name == "muon":
-        main = muon(schedule, coefficients=cfg.ns_coefficients, steps=cfg.ns_steps,
-                    beta=cfg.momentum, scale=cfg.muon_scale, rms_factor=cfg.rms_factor,
-                    weight_decay=cfg.weight_decay, matmul_dtype=jnp.dtype(cfg.ns_dtype),
-                    routing=routing, adam_b1=cfg.b1, adam_b2=cfg.b2, adam_eps=cfg.eps,
-                    adam_weight_decay=cfg.weight_decay, adam_weight_decay_mask=decay_mask)
-        groups = tuple("muon" if r.kind == MATRIX else ADAMW
-                       for _, r in leaf_routes(abstract_params, routing))
-        flops = muon_flops(abstract_params, routing, cfg.ns_steps, cfg.ns_coefficients)
-        table = describe(abstract_params, routing)
-    elif cfg.name == "adamw":
-        main = optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
+def make_optimizer(cfg: TrainConfig, abstract_params, mesh: jax.sharding.Mesh | None = None,
+                   rules: Rules = DEFAULT_RULES) -> Optimizer:
+    """Global-norm clipping, then Muon + AdamW (``--optim muon``) or AdamW alone."""
+    schedule = make_schedule(cfg.schedule, cfg.lr, cfg.steps)
+    adam_schedule = (schedule if cfg.adamw.lr is None
+                     else make_schedule(cfg.schedule, cfg.adamw.lr, cfg.steps))
+    a, m = cfg.adamw, cfg.muon
+    if cfg.optim == "muon":
+        routing = Routing(split_qkv=m.split_qkv, per_head=m.per_head)
+        main = muon(schedule, coefficients=m.ns_coefficients, steps=m.ns_steps,
+                    beta=m.momentum, scale=m.scale, rms_factor=m.rms_factor,
+                    weight_decay=cfg.weight_decay, matmul_dtype=jnp.dtype(m.ns_dtype),
+                    routing=routing, tp_mode=m.tp_mode, mesh=mesh, rules=rules,
+                    adam_learning_rate=adam_schedule, adam_b1=a.b1, adam_b2=a.b2,
+                    adam_eps=a.eps, adam_weight_decay=cfg.weight_decay,
+                    adam_weight_decay_mask=decay_mask)
+        groups = tuple("muon" if leaf.route.kind == MATRIX else ADAMW
+                       for leaf in leaf_routes(abstract_params, routing))
+        flops = muon_flops(abstract_params, routing, m.ns_steps, m.ns_coefficients)
+        note = None if mesh is None else tp_note(TensorParallel(mesh, rules, m.tp_mode),
+                                                 m.ns_steps, m.ns_coefficients)
+        table = describe(abstract_params, routing, block_note=note)
+    elif cfg.optim == "adamw":
+        main = optax.adamw(adam_schedule, b1=a.b1, b2=a.b2, eps=a.eps,
                            weight_decay=cfg.weight_decay, mask=decay_mask)
         groups, flops = (ADAMW,) * len(jax.tree.leaves(abstract_params)), 0
         table = "every leaf: adamw"
     else:
-        raise ValueError(f"unknown optimizer {cfg.name!r}")
+        raise ValueError(f"unknown optimizer {cfg.optim!r}")
     clip = optax.clip_by_global_norm(cfg.grad_clip) if cfg.grad_clip > 0 else optax.identity()
     return Optimizer(optax.chain(clip, main), schedule, groups, flops, table)
 

@@ -77,7 +77,8 @@ def make_train_step(loss_fn: LossFn, optimizer: Optimizer, microbatches: int,
                                keep(opt_state, state.opt_state),
                                state.skipped + (~finite).astype(jnp.int32))
         metrics = {"loss": loss, **aux, "grad_norm": grad_norm,
-                   "lr": optimizer.schedule(state.step), "skipped": ~finite,
+                   # Skipped steps rolled the optimizer's own count back too.
+                   "lr": optimizer.schedule(state.step - state.skipped), "skipped": ~finite,
                    **group_update_rms(updates, optimizer.leaf_groups)}
         return new_state, metrics
 
