@@ -12,7 +12,8 @@ from jmegatron.models import GPT, GPTConfig, create_sharded
 from jmegatron.optim import (Routing, TensorParallel, TPCostModel, describe, muon,
                              newton_schulz, tp_newton_schulz)
 from jmegatron.optim.tensor_parallel import tp_note
-from jmegatron.sharding import DEFAULT_RULES, MeshConfig, hlo_collectives, make_mesh
+from jmegatron.sharding import (DEFAULT_RULES, MeshConfig, hlo_collectives, logical_to_spec,
+                                make_mesh)
 
 SHAPES = [(2, 64, 64), (2, 32, 128), (3, 128, 32)]
 
@@ -21,7 +22,7 @@ def setup(t, shape, side, seed=0):
     mesh = make_mesh(MeshConfig(data=8 // t, fsdp=1, tensor=t))
     x = jax.random.normal(jax.random.key(seed), shape)
     spec = jax.P(None, "tensor", None) if side == "in" else jax.P(None, None, "tensor")
-    return TensorParallel(mesh, DEFAULT_RULES), x, jax.device_put(x, jax.NamedSharding(mesh, spec))
+    return TensorParallel(mesh), x, jax.device_put(x, jax.NamedSharding(mesh, spec))
 
 
 @pytest.mark.parametrize("t", [2, 4, 8])
@@ -109,10 +110,11 @@ def test_muon_step_on_the_tensor_parallel_gpt_equals_one_device(mode, mesh_confi
 def test_describe_reports_each_blocks_mode():
     mesh = make_mesh(MeshConfig(data=2, fsdp=1, tensor=4))
     params = nnx.state(GPT(CFG, nnx.Rngs(0)), nnx.Param)
-    table = describe(params, block_note=tp_note(TensorParallel(mesh, DEFAULT_RULES, "distributed"),
+    spec_of = lambda leaf: logical_to_spec(leaf.logical, DEFAULT_RULES)
+    table = describe(params, block_note=tp_note(TensorParallel(mesh, "distributed"), spec_of,
                                                 None, "quintic"))
     assert "q: 2 x [64, 64] [tensor out: distributed, Gram 64x64]" in table
     assert "[tensor in: distributed, Gram 64x64]" in table           # attention out, down
     per_head = describe(params, Routing(per_head=True),
-                        block_note=tp_note(TensorParallel(mesh, DEFAULT_RULES), None, "quintic"))
+                        block_note=tp_note(TensorParallel(mesh), spec_of, None, "quintic"))
     assert "q: 8 x [64, 16] [local]" in per_head   # a head lives on one tensor rank

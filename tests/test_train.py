@@ -28,7 +28,7 @@ def build(optim: str):
     make_model = lambda: GPT(MODEL, nnx.Rngs(0))
     abstract = nnx.split(nnx.eval_shape(make_model))[1]
     cfg = TrainConfig(optim=optim, lr=1e-2, steps=10, schedule=ScheduleConfig(warmup_steps=0))
-    optimizer = make_optimizer(cfg, abstract, mesh, DEFAULT_RULES)
+    optimizer = make_optimizer(cfg, abstract, mesh)
     graphdef, state = create_train_state(make_model, optimizer.tx, mesh, DEFAULT_RULES)
     loss_fn = make_loss_fn(graphdef, MODEL, mesh, DEFAULT_RULES)
     return mesh, optimizer, state, loss_fn

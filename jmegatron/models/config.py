@@ -41,6 +41,8 @@ class GPTConfig:
     """The embedding table is padded to a multiple of this x tensor (Megatron)."""
     padded_vocab_size: int | None = None
     """Set by `pad_vocab` from vocab_multiple and the tensor size; leave unset."""
+    layer_group: int = 1
+    """Stack block weights as [L/g, g, ...] (set by the owner layout to the fsdp size)."""
 
     def __post_init__(self):
         if self.remat not in REMAT_POLICIES:
@@ -53,6 +55,10 @@ class GPTConfig:
                              f"n_heads={self.n_heads}; set head_dim")
         if self.resolved_head_dim % 2:
             raise ValueError(f"head_dim={self.resolved_head_dim} must be even for RoPE")
+        if self.layer_group < 1 or self.n_layers % self.layer_group:
+            raise ValueError(f"n_layers={self.n_layers} is not divisible by layer_group="
+                             f"{self.layer_group} (the owner layout groups one layer per fsdp "
+                             "rank; use another layout or an fsdp size dividing n_layers)")
         if self.vocab < self.vocab_size:
             raise ValueError(f"padded_vocab_size={self.padded_vocab_size} < "
                              f"vocab_size={self.vocab_size}")
@@ -79,7 +85,8 @@ class GPTConfig:
 
     def logical_dims(self) -> dict[str, int]:
         """Size of each logical parameter axis (for divisibility checks)."""
-        return {"layers": self.n_layers, "embed": self.d_model, "mlp": self.d_ff,
+        return {"layer_groups": self.n_layers // self.layer_group, "layers": self.layer_group,
+                "embed": self.d_model, "mlp": self.d_ff,
                 "heads": self.n_heads, "kv_heads": self.n_kv_heads,
                 "head_dim": self.resolved_head_dim, "vocab": self.vocab}
 

@@ -9,7 +9,7 @@ from flax import nnx
 from jmegatron.models.config import GPTConfig
 from jmegatron.models.layers import Block, embed_lookup, param, rms_norm
 from jmegatron.sharding import rules as ax
-from jmegatron.sharding.rules import constrain
+from jmegatron.sharding.rules import constrain, logical_axes_of, run_gathered
 
 _REMAT = {
     "full": jax.checkpoint_policies.nothing_saveable,
@@ -31,6 +31,8 @@ class GPT(nnx.Module):
             return Block(cfg, rngs)
 
         self.blocks = stacked_blocks(rngs)
+        if cfg.layer_group > 1:
+            group_layers(self.blocks, cfg.layer_group)
         self.final_norm = param(rngs, (cfg.d_model,), (ax.NORM,), None)
         if not cfg.tie_embeddings:
             self.head = param(rngs, (cfg.d_model, cfg.vocab), (ax.EMBED, ax.VOCAB), cfg.init_std)
@@ -54,5 +56,39 @@ class GPT(nnx.Module):
 
         if self.cfg.remat != "none":
             one_layer = jax.checkpoint(one_layer, policy=_REMAT[self.cfg.remat])
-        x, _ = jax.lax.scan(one_layer, x, state)
-        return x
+        if self.cfg.layer_group == 1:
+            return jax.lax.scan(one_layer, x, state)[0]
+        # [L/g, g, ...]: each step gathers one group of g whole layers (each kept on
+        # its own rank under the owner layout), runs them, and moves on; their
+        # gradients go back to the owners by one reduce-scatter.
+        axes = [logical_axes_of(v)[1:] for v in
+                jax.tree.leaves(state, is_leaf=lambda v: isinstance(v, nnx.Variable))]
+        treedef = jax.tree.structure(state)
+        run_layers = lambda x, leaves: jax.lax.scan(one_layer, x, treedef.unflatten(leaves))[0]
+
+        def one_group(x, group_state):
+            return run_gathered(run_layers, x, jax.tree.leaves(group_state), axes, ax.LAYERS), None
+
+        return jax.lax.scan(one_group, x, state)[0]
+
+
+def group_layers(blocks: nnx.Module, group: int) -> None:
+    """Reshapes every stacked [L, ...] weight of ``blocks`` to [L/group, group, ...]
+    in place (the same values: a canonical checkpoint is a reshape away)."""
+    for _, var in nnx.iter_graph(blocks):
+        if isinstance(var, nnx.Variable):
+            value = var[...]
+            var.set_value(value.reshape(value.shape[0] // group, group, *value.shape[1:]))
+            var.set_metadata(out_sharding=(ax.LAYER_GROUPS, *logical_axes_of(var)))
+
+
+def ungroup(params: nnx.State) -> nnx.State:
+    """Block weights back to [L, ...] from [L/g, g, ...] (other leaves unchanged)."""
+    def flat(v):
+        axes = logical_axes_of(v)
+        if not axes or axes[0] != ax.LAYER_GROUPS:
+            return v
+        value = v[...]
+        return v.replace(value.reshape(-1, *value.shape[2:]), out_sharding=axes[1:])
+    return jax.tree.map(flat, params, is_leaf=lambda v: isinstance(v, nnx.Variable))
+

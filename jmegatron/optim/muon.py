@@ -13,7 +13,9 @@ from jmegatron.optim.coefficients import CoefficientSet, coefficient_set
 from jmegatron.optim.newton_schulz import newton_schulz, ns_flops
 from jmegatron.optim.routing import (ADAMW, MATRIX, LeafRoute, Routing, labels, leaf_routes,
                                      map_matrices, matrix_pieces)
+from jmegatron.optim.placement import Placement, constrain_to, place
 from jmegatron.optim.tensor_parallel import TensorParallel, TPMode, tp_newton_schulz
+from jmegatron.sharding.layouts import Layout, make_layout
 from jmegatron.sharding.rules import DEFAULT_RULES, Rules
 
 ScaleMode = Literal["spectral", "shape", "unit_rms", "none"]
@@ -65,7 +67,7 @@ def scale_by_muon(*, coefficients: str | CoefficientSet | tuple = "quintic",
                   momentum_dtype=None, scale: ScaleMode = "spectral",
                   rms_factor: float | None = None, matmul_dtype=jnp.float32,
                   routing: Routing = Routing(), tp_mode: TPMode = "auto",
-                  mesh: jax.sharding.Mesh | None = None,
+                  mesh: jax.sharding.Mesh | None = None, layout: Layout | str | None = None,
                   rules: Rules = DEFAULT_RULES) -> optax.GradientTransformation:
     """Muon's direction: momentum, Newton-Schulz orthogonalization, shape scale.
 
@@ -75,10 +77,13 @@ def scale_by_muon(*, coefficients: str | CoefficientSet | tuple = "quintic",
     Momentum is an EMA (``g`` weighted ``1 - beta``) or a sum; with
     ``bias_correction`` the EMA form equals ``optax.contrib.scale_by_muon``.
 
-    With a ``mesh``, matrices whose logical axes ``rules`` split over the
-    tensor axis are orthogonalized in ``jax.shard_map`` with ``tp_mode``
-    (duplicated, distributed, blockwise, or auto per matrix; see
-    ``jmegatron.optim.tensor_parallel``); other matrices take the plain path.
+    With a ``mesh``, Newton-Schulz runs in ``jax.shard_map``: the ``layout``
+    (a ``jmegatron.sharding.layouts.Layout`` or its name; default "fsdp",
+    i.e. params placed by ``rules``) decides where each matrix's state lives
+    and which device orthogonalizes it (see ``jmegatron.optim.placement``);
+    matrices split over the tensor axis use ``tp_mode`` (duplicated,
+    distributed, blockwise, or auto per matrix; see
+    ``jmegatron.optim.tensor_parallel``).
 
     References:
       Jordan et al., "Muon: An optimizer for hidden layers in neural
@@ -87,30 +92,41 @@ def scale_by_muon(*, coefficients: str | CoefficientSet | tuple = "quintic",
       Bernstein & Newhouse, "Old Optimizer, New Norm: An Anthology",
         arXiv:2409.20325, 2024.
     """
-    tp = None if mesh is None else TensorParallel(mesh, rules, tp_mode)
+    tp = None if mesh is None else TensorParallel(mesh, tp_mode)
+    lay = None if mesh is None else resolve_layout(layout, mesh, rules)
     ns = dict(steps=steps, coefficients=coefficients, matmul_dtype=matmul_dtype)
     n_steps = coefficient_set(coefficients).default_steps if steps is None else steps
     memo: dict = {}   # routes seen with logical axes, for updates that arrive without
 
-    def orthogonalize(u: jax.Array, leaf: LeafRoute) -> jax.Array:
-        side = None if tp is None else tp.side(leaf.route.spec, leaf.logical)
+    def placement(leaf: LeafRoute) -> Placement | None:
+        return None if lay is None or leaf.logical is None else place(leaf, lay)
+
+    def orthogonalize(u: jax.Array, leaf: LeafRoute, where: Placement | None) -> jax.Array:
+        side = None if where is None else tp.side(leaf.route.spec, where.state)
 
         def block(stack, fan_in, fan_out):
-            if side is None:
+            if tp is None:
                 return newton_schulz(stack, **ns) * update_scale(scale, fan_in, fan_out,
                                                                  rms_factor)
-            mode = tp.mode_for(fan_in, fan_out, side, n_steps)
+            mode = None if side is None else tp.mode_for(fan_in, fan_out, side, n_steps)
             if mode == "blockwise":   # each block is a matrix of its own, scale included
                 fan_in, fan_out = ((fan_in // tp.size, fan_out) if side == "in"
                                    else (fan_in, fan_out // tp.size))
-            ortho = tp_newton_schulz(stack, side, mode, tp, **ns)
+            ortho = tp_newton_schulz(stack, side, mode, tp, **ns,
+                                     batch_spec=() if where is None else where.stack)
             return ortho * update_scale(scale, fan_in, fan_out, rms_factor)
         return map_matrices(block, u, leaf.route.spec)
 
     def init_fn(params):
-        _matrix_routes(params, routing, memo)   # fail early on a leaf that is no matrix
-        zeros = lambda x: jnp.zeros_like(x, dtype=momentum_dtype or x.dtype)  # keeps sharding
-        return MuonState(jnp.zeros([], jnp.int32), jax.tree.map(zeros, params))
+        leaves = _matrix_routes(params, routing, memo)   # fails early on a non-matrix leaf
+        flat, treedef = jax.tree.flatten(params)
+        moms = []
+        for x, leaf in zip(flat, leaves):
+            zeros = jnp.zeros_like(x, dtype=momentum_dtype or x.dtype)  # keeps x's sharding
+            where = placement(leaf)
+            moms.append(zeros if where is None else
+                        constrain_to(where.pad(zeros), mesh, where.state))
+        return MuonState(jnp.zeros([], jnp.int32), treedef.unflatten(moms))
 
     def update_fn(updates, state, params=None):
         del params
@@ -120,14 +136,28 @@ def scale_by_muon(*, coefficients: str | CoefficientSet | tuple = "quintic",
         moms = treedef.flatten_up_to(state.momentum)
         new_updates, new_moms = [], []
         for g, m, leaf in zip(flat, moms, leaves):
-            m32, direction = _momentum_step(g.astype(jnp.float32), m.astype(jnp.float32), count,
-                                            beta, momentum, nesterov, bias_correction)
-            new_updates.append(orthogonalize(direction, leaf).astype(g.dtype))
+            where = placement(leaf)
+            g32 = g.astype(jnp.float32)
+            if where is not None:   # gradients reach the owners of their matrices
+                g32 = constrain_to(where.pad(g32), mesh, where.state)
+            m32, direction = _momentum_step(g32, m.astype(jnp.float32), count, beta, momentum,
+                                            nesterov, bias_correction)
+            out = orthogonalize(direction, leaf, where)
+            if where is not None:   # updates go back to where the params live
+                out = constrain_to(where.unpad(out), mesh, where.param)
+            new_updates.append(out.astype(g.dtype))
             new_moms.append(m32.astype(m.dtype))
         return (treedef.unflatten(new_updates),
                 MuonState(count, treedef.unflatten(new_moms)))
 
     return optax.GradientTransformation(init_fn, update_fn)
+
+
+def resolve_layout(layout: Layout | str | None, mesh: jax.sharding.Mesh, rules: Rules) -> Layout:
+    """A Layout, by name (built on ``rules`` for ``mesh``) or as given; default fsdp."""
+    if isinstance(layout, Layout):
+        return layout
+    return make_layout(layout or "fsdp", mesh.shape, rules)
 
 
 def _matrix_routes(tree, routing: Routing, memo: dict) -> list[LeafRoute]:
@@ -146,7 +176,8 @@ def muon(learning_rate: optax.ScalarOrSchedule, *,
          bias_correction: bool = False, momentum_dtype=None, scale: ScaleMode = "spectral",
          rms_factor: float | None = None, weight_decay: float = 0.0,
          matmul_dtype=jnp.float32, routing: Routing = Routing(), tp_mode: TPMode = "auto",
-         mesh: jax.sharding.Mesh | None = None, rules: Rules = DEFAULT_RULES,
+         mesh: jax.sharding.Mesh | None = None, layout: Layout | str | None = None,
+         rules: Rules = DEFAULT_RULES,
          adam_learning_rate: optax.ScalarOrSchedule | None = None, adam_b1: float = 0.9,
          adam_b2: float = 0.95, adam_eps: float = 1e-8, adam_weight_decay: float = 0.0,
          adam_weight_decay_mask=None) -> optax.GradientTransformation:
@@ -168,7 +199,7 @@ def muon(learning_rate: optax.ScalarOrSchedule, *,
                       momentum=momentum, bias_correction=bias_correction,
                       momentum_dtype=momentum_dtype, scale=scale, rms_factor=rms_factor,
                       matmul_dtype=matmul_dtype, routing=routing, tp_mode=tp_mode,
-                      mesh=mesh, rules=rules),
+                      mesh=mesh, layout=layout, rules=rules),
         optax.add_decayed_weights(weight_decay),
         optax.scale_by_learning_rate(learning_rate))
     adam = optax.adamw(learning_rate if adam_learning_rate is None else adam_learning_rate,

@@ -22,7 +22,7 @@ from jmegatron.sharding import rules as ax
 from jmegatron.sharding.rules import DEFAULT_RULES, logical_axes_of
 
 MATRIX, ADAMW = "matrix", "adamw"
-BATCH_AXES = (ax.LAYERS, ax.EXPERTS)          # logical axes that stack independent matrices
+BATCH_AXES = (ax.LAYER_GROUPS, ax.LAYERS, ax.EXPERTS)   # logical axes stacking matrices
 HEAD_AXES = (ax.HEADS, ax.KV_HEADS, ax.QKV)   # become batch axes in per-head mode
 KNOWN_AXES = frozenset(name for name, _ in DEFAULT_RULES)
 _ADAMW_NAME = re.compile(r"(^|[_.])(embed\w*|wte|wpe|lm_head|head|unembed\w*|\w*norm\w*|ln_\w+|"
@@ -74,17 +74,26 @@ class MatrixSpec:
 
 def map_matrices(fn: Callable[[jax.Array, int, int], jax.Array], x: jax.Array,
                  spec: MatrixSpec) -> jax.Array:
-    """Applies ``fn(stack [count, fan_in, fan_out], fan_in, fan_out)`` to every block."""
+    """Applies ``fn(stack [*batch, fan_in, fan_out], fan_in, fan_out)`` to every block.
+
+    The batch dims keep their order (``batch_axes``) and are not merged, so a
+    batch dim split over devices stays split the same way.
+    """
+    batch = batch_axes(spec, x.ndim)
+    order = batch + spec.in_axes + spec.out_axes
     outs = []
     for part in spec.parts(x):
-        batch = tuple(a for a in range(x.ndim) if a not in spec.in_axes + spec.out_axes)
-        order = batch + spec.in_axes + spec.out_axes
         moved = part.transpose(order)
         fan_in = math.prod(part.shape[a] for a in spec.in_axes)
         fan_out = math.prod(part.shape[a] for a in spec.out_axes)
-        result = fn(moved.reshape(-1, fan_in, fan_out), fan_in, fan_out)
-        outs.append(result.reshape(moved.shape).transpose(_inverse(order)))
+        stack = moved.reshape(moved.shape[:len(batch)] + (fan_in, fan_out))
+        outs.append(fn(stack, fan_in, fan_out).reshape(moved.shape).transpose(_inverse(order)))
     return outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=spec.split_axis)
+
+
+def batch_axes(spec: MatrixSpec, ndim: int) -> tuple[int, ...]:
+    """The axes of a leaf that stack independent matrices, in order."""
+    return tuple(a for a in range(ndim) if a not in spec.in_axes + spec.out_axes)
 
 
 def _inverse(order: tuple[int, ...]) -> tuple[int, ...]:
@@ -251,8 +260,7 @@ def describe(params, routing: Routing = Routing(), matrix_name: str = "muon",
         blocks = ", ".join(
             f"{p.name + ': ' if p.name else ''}{p.count} x [{p.fan_in}, {p.fan_out}]"
             + (f" {block_note(leaf, p)}" if block_note else "") for p in r.spec.pieces(shape))
-        batch = [i for i in range(len(shape)) if i not in r.spec.in_axes + r.spec.out_axes]
-        names = [logical[i] if logical else str(i) for i in batch]
+        names = [logical[i] if logical else str(i) for i in batch_axes(r.spec, len(shape))]
         rows.append((name, str(shape), matrix_name, blocks, ",".join(names) or "-", r.rule))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip()

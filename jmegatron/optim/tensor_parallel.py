@@ -31,11 +31,12 @@ from typing import Callable, Literal
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.sharding import PartitionSpec as P
 
 from jmegatron.optim.coefficients import coefficient_set
 from jmegatron.optim.newton_schulz import iterate, newton_schulz, ns_flops, resolve_schedule
 from jmegatron.optim.routing import MatrixSpec
-from jmegatron.sharding.rules import Rules, mesh_axes_of
+from jmegatron.sharding.rules import spec_axes
 
 TPMode = Literal["duplicated", "distributed", "blockwise", "auto"]
 TP_MODES = ("duplicated", "distributed", "blockwise", "auto")
@@ -82,10 +83,9 @@ class TPCostModel:
 
 @dataclasses.dataclass(frozen=True)
 class TensorParallel:
-    """Where Newton-Schulz finds the tensor axis and which mode it uses."""
+    """The mesh, its tensor axis, and the mode Newton-Schulz uses on split matrices."""
 
     mesh: jax.sharding.Mesh
-    rules: Rules
     mode: TPMode = "auto"
     axis: str = "tensor"
     cost_model: TPCostModel = TPCostModel()
@@ -98,22 +98,20 @@ class TensorParallel:
     def size(self) -> int:
         return self.mesh.shape.get(self.axis, 1)
 
-    def side(self, spec: MatrixSpec, logical: tuple | None) -> Side | None:
-        """Which side of the matrix view is split over the tensor axis (None: no side;
-        a split batch axis, as with per-head blocks, needs no communication)."""
-        if logical is None or self.size == 1:
-            return None
-        dims = [i for i, name in enumerate(logical) if name is not None
-                and self.axis in mesh_axes_of(name, self.rules)]
-        if not dims:
+    def side(self, spec: MatrixSpec, leaf_spec: P) -> Side | None:
+        """Which side of the matrix view ``leaf_spec`` splits over the tensor axis
+        (None: neither; a split batch axis, as with per-head blocks, is local)."""
+        entries = tuple(leaf_spec) + (None,) * (max(spec.in_axes + spec.out_axes) + 1)
+        dims = [i for i, e in enumerate(entries) if self.axis in spec_axes(e)]
+        if not dims or self.size == 1:
             return None
         unit_split = spec.split_axis if set(spec.split_sizes) == {1} else None  # size-1 slots
         for side, axes in (("in", spec.in_axes), ("out", spec.out_axes)):
             axes = tuple(a for a in axes if a != unit_split)
             if dims[0] in axes:
                 if dims[0] != axes[0]:
-                    raise ValueError(f"the tensor-split axis {logical[dims[0]]!r} must lead its "
-                                     f"side of the matrix view {spec} to keep shards contiguous")
+                    raise ValueError(f"the tensor-split dim {dims[0]} must lead its side of the "
+                                     f"matrix view {spec} to keep shards contiguous")
                 return side
         return None
 
@@ -123,12 +121,14 @@ class TensorParallel:
         return self.cost_model.choose(self.size, m, n, side, steps)
 
 
-def tp_note(tp: TensorParallel, steps: int | None, coefficients) -> Callable:
-    """``describe`` note per block: the tensor-parallel mode it gets."""
+def tp_note(tp: TensorParallel, leaf_spec_of: Callable, steps: int | None,
+            coefficients) -> Callable:
+    """``describe`` note per block: the tensor-parallel mode it gets
+    (``leaf_spec_of(leaf)`` gives the PartitionSpec the block is split by)."""
     n_steps = coefficient_set(coefficients).default_steps if steps is None else steps
 
     def note(leaf, piece) -> str:
-        side = tp.side(leaf.route.spec, leaf.logical)
+        side = tp.side(leaf.route.spec, leaf_spec_of(leaf))
         if side is None:
             return "[local]"
         mode = tp.mode_for(piece.fan_in, piece.fan_out, side, n_steps)
@@ -139,35 +139,42 @@ def tp_note(tp: TensorParallel, steps: int | None, coefficients) -> Callable:
     return note
 
 
-def tp_newton_schulz(stack: jax.Array, side: Side, mode: str, tp: TensorParallel, *,
-                     steps: int | None = None, coefficients="quintic",
+def tp_newton_schulz(stack: jax.Array, side: Side | None, mode: str, tp: TensorParallel, *,
+                     batch_spec: tuple = (), steps: int | None = None, coefficients="quintic",
                      matmul_dtype=jnp.float32) -> jax.Array:
-    """Newton-Schulz of a stack [B, m, n] split over ``tp.axis`` along ``side``,
-    in the given mode (not "auto"); the result has the same split."""
+    """Newton-Schulz of a stack [*batch, m, n] in ``jax.shard_map``: the batch dims
+    split as ``batch_spec`` says (each device orthogonalizes its own matrices),
+    the matrices split over ``tp.axis`` along ``side`` and handled in ``mode``
+    (not "auto"), or whole when ``side`` is None. Any other split of the input
+    (an fsdp-split embed dim) is gathered on the way in."""
     schedule, normalization = resolve_schedule(coefficients, steps)
-    dim = 1 if side == "in" else 2
-    spec = jax.P(None, tp.axis, None) if side == "in" else jax.P(None, None, tp.axis)
+    ns = dict(steps=steps, coefficients=coefficients, matmul_dtype=matmul_dtype)
+    batch_spec = tuple(batch_spec) + (None,) * (stack.ndim - 2 - len(batch_spec))
+    row, col = stack.ndim - 2, stack.ndim - 1
+    dim = row if side == "in" else col
+    split = {None: (None, None), "in": (tp.axis, None), "out": (None, tp.axis)}[side]
+    spec = P(*batch_spec, *split)
     axis = tp.axis
 
-    def duplicated(block):                   # [B, m/t, n] or [B, m, n/t]
+    def duplicated(block):                   # [..., m/t, n] or [..., m, n/t]
         whole = lax.all_gather(block, axis, axis=dim, tiled=True)
-        ortho = newton_schulz(whole, steps=steps, coefficients=coefficients,
-                              matmul_dtype=matmul_dtype)
         size = block.shape[dim]
-        return lax.dynamic_slice_in_dim(ortho, lax.axis_index(axis) * size, size, axis=dim)
+        return lax.dynamic_slice_in_dim(newton_schulz(whole, **ns),
+                                        lax.axis_index(axis) * size, size, axis=dim)
 
     def distributed(block):
-        cols = jnp.swapaxes(block, 1, 2) if side == "in" else block   # split side last
+        cols = jnp.swapaxes(block, row, col) if side == "in" else block   # split side last
         out = iterate(cols, schedule, normalization, matmul_dtype,
                       sum_over_columns=lambda g: lax.psum(g, axis),
                       max_over_columns=lambda v: lax.pmax(v, axis))
-        return jnp.swapaxes(out, 1, 2) if side == "in" else out
+        return jnp.swapaxes(out, row, col) if side == "in" else out
 
-    def blockwise(block):
-        return newton_schulz(block, steps=steps, coefficients=coefficients,
-                             matmul_dtype=matmul_dtype)
-
-    local = {"duplicated": duplicated, "distributed": distributed, "blockwise": blockwise}
-    if mode not in local:
+    local = {"duplicated": duplicated, "distributed": distributed,
+             "blockwise": lambda block: newton_schulz(block, **ns)}
+    if side is None:
+        fn = local["blockwise"]     # whole matrices on every device: plain Newton-Schulz
+    elif mode in local:
+        fn = local[mode]
+    else:
         raise ValueError(f"tp_newton_schulz needs an explicit mode, not {mode!r}")
-    return jax.shard_map(local[mode], mesh=tp.mesh, in_specs=spec, out_specs=spec)(stack)
+    return jax.shard_map(fn, mesh=tp.mesh, in_specs=spec, out_specs=spec)(stack)

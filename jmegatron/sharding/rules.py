@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import math
-from typing import Iterable, Mapping, Sequence
+from typing import Callable, Iterable, Mapping, Sequence
 
 import jax
 from jax.sharding import NamedSharding, PartitionSpec as P
@@ -19,6 +19,7 @@ from jmegatron.sharding.mesh import BATCH_AXES
 # Parameter axes.
 LAYERS, EMBED, MLP, HEADS, KV_HEADS, HEAD_DIM, VOCAB, EXPERTS = (
     "layers", "embed", "mlp", "heads", "kv_heads", "head_dim", "vocab", "experts")
+LAYER_GROUPS = "layer_groups"   # outer axis of block weights stacked [L/g, g, ...]
 QKV = "qkv"     # the query-group / key / value slot of a fused QKV weight
 GLU = "glu"     # the gate / up slot of a fused SwiGLU input weight
 NORM = "norm"   # scale vectors of norms (tiny; replicated)
@@ -36,6 +37,7 @@ Rules = tuple[tuple[str, MeshAxes], ...]
 # An axis of size 1 costs nothing, so this one table serves every product of
 # data, fsdp and tensor; experts are spread over `expert`.
 DEFAULT_RULES: Rules = (
+    (LAYER_GROUPS, None),
     (LAYERS, None),
     (EMBED, "fsdp"),
     (MLP, "tensor"),
@@ -90,13 +92,15 @@ def spec_axes(entry) -> tuple[str, ...]:
     return _as_tuple(entry)
 
 
-def logical_to_spec(logical_axes: Sequence[str | None], rules: Rules) -> P:
+def logical_to_spec(logical_axes: Sequence[str | None], rules: Rules,
+                    exclude: Iterable[str] = ()) -> P:
     """PartitionSpec for an array whose dims carry ``logical_axes``.
 
     A mesh axis already used by an earlier dim is dropped from later ones (an
-    array cannot be split twice over the same devices).
+    array cannot be split twice over the same devices), as are the mesh axes
+    in ``exclude``.
     """
-    used: set[str] = set()
+    used: set[str] = set(exclude)
     spec = []
     for logical in logical_axes:
         axes = tuple(a for a in mesh_axes_of(logical, rules) if a not in used)
@@ -156,13 +160,55 @@ def activation_sharding(mesh: jax.sharding.Mesh | None, rules: Rules = DEFAULT_R
 
 
 def constrain(x: jax.Array, logical_axes: Iterable[str | None]) -> jax.Array:
-    """Sharding constraint on an activation named by logical axes."""
+    """Sharding constraint on an array named by logical axes."""
     active = _ACTIVE.get()
     if active is None:
         return x
     mesh, rules = active
     spec = logical_to_spec(tuple(logical_axes), rules)
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+
+
+def without_axes(rules: Rules, axes: Iterable[str]) -> Rules:
+    """``rules`` with ``axes`` removed from every entry."""
+    drop = set(axes)
+    keep = lambda entry: tuple(a for a in _as_tuple(entry) if a not in drop) or None
+    return tuple((name, keep(entry)) for name, entry in rules)
+
+
+def run_gathered(fn: Callable, x: jax.Array, leaves: Sequence[jax.Array],
+                 leaf_axes: Sequence[Sequence[str | None]], name: str) -> jax.Array:
+    """``fn(x, leaves)`` with each leaf gathered whole along its dim ``name`` (dim 0).
+
+    Runs in ``jax.shard_map``, manual over the batch axes: each leaf moves by one
+    all-gather over the mesh axes that split ``name``, and its gradient comes back
+    by the transpose, one reduce-scatter onto those axes (plus the sum over the
+    other batch axes). Inside, activations are constrained over the remaining
+    (auto) axes only. Without an active mesh, just ``fn(x, leaves)``.
+    """
+    active = _ACTIVE.get()
+    if active is None:
+        return fn(x, leaves)
+    mesh, rules = active
+    live = lambda axes: tuple(a for a in axes if mesh.shape[a] > 1)
+    manual = live(mesh_axes_of(BATCH, rules))
+    owners = live(mesh_axes_of(name, rules))
+    if not set(owners) <= set(manual):
+        raise ValueError(f"{name} is split over {owners}, which are not all batch axes {manual}")
+    manual_only = lambda spec: P(*(tuple(a for a in spec_axes(e) if a in manual) or None
+                                   for e in spec))
+    x_spec = manual_only(logical_to_spec((BATCH, SEQ, ACT_EMBED), rules))
+    leaf_specs = [manual_only(logical_to_spec(axes, rules)) for axes in leaf_axes]
+    inner_rules = without_axes(rules, manual)
+
+    def body(x_block, *blocks):
+        whole = [jax.lax.all_gather(b, owners, axis=0, tiled=True) if owners else b
+                 for b in blocks]
+        with activation_sharding(jax.sharding.get_abstract_mesh(), inner_rules):
+            return fn(x_block, whole)
+
+    return jax.shard_map(body, mesh=mesh, in_specs=(x_spec, *leaf_specs), out_specs=x_spec,
+                         axis_names=set(manual))(x, *leaves)
 
 
 def active_mesh_and_rules() -> tuple[jax.sharding.Mesh, Rules] | None:

@@ -79,6 +79,10 @@ class TrainConfig:
     """Device mesh (-1: the rest of the devices)."""
     fit_mesh: bool = True
     """Shrink the mesh to the devices present (off once any --mesh.* flag is given)."""
+    layout: Literal["replicated", "layerwise", "fsdp", "owner"] = "fsdp"
+    """Where params and matrix-optimizer state live: replicated (data parallel),
+    layerwise (Megatron: state of each matrix on one data rank), fsdp (ZeRO-3,
+    element-wise), owner (MatrixFSDP: each matrix whole on one fsdp rank)."""
     data: DataConfig = DataConfig()
     optim: Literal["muon", "adamw"] = "muon"
     """muon: Muon for hidden matrices and AdamW for the rest; adamw: AdamW for all."""

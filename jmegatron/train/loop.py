@@ -17,7 +17,8 @@ from tqdm import tqdm
 from jmegatron.data import Corpus, eval_batch, load_corpus, make_batch, unigram_entropy
 from jmegatron.data.batches import require_window
 from jmegatron.models import GPT, GPTConfig, validate_sharding
-from jmegatron.sharding import DEFAULT_RULES, MeshConfig, Rules, logical_to_spec, make_mesh
+from jmegatron.sharding import MeshConfig, Rules, logical_to_spec, make_mesh
+from jmegatron.sharding.layouts import Layout, make_layout
 from jmegatron.sharding import rules as ax
 from jmegatron.train.config import TrainConfig
 from jmegatron.train.metrics import MetricsWriter, jsonable, measure_matmul_rate
@@ -43,9 +44,13 @@ class Plan:
     """A run's settings after every check, before anything is compiled."""
 
     mesh: MeshConfig         # resolved for the devices present
-    model: GPTConfig         # vocabulary padded for the mesh
+    model: GPTConfig         # vocabulary padded for the mesh, layers grouped for the layout
     corpus: Corpus
-    rules: Rules
+    layout: Layout
+
+    @property
+    def rules(self) -> Rules:
+        return self.layout.rules
 
 
 def plan_run(cfg: TrainConfig) -> Plan:
@@ -59,9 +64,10 @@ def plan_run(cfg: TrainConfig) -> Plan:
     if cfg.model.vocab_size < corpus.vocab_size:
         raise ValueError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the "
                          f"corpus vocabulary ({corpus.vocab_size}, {corpus.source!r})")
-    model = cfg.model.pad_vocab(mesh.tensor)
-    validate_sharding(model.logical_dims(), mesh.sizes(), DEFAULT_RULES, cfg.microbatch_size)
-    return Plan(mesh, model, corpus, DEFAULT_RULES)
+    layout = make_layout(cfg.layout, mesh.sizes())
+    model = dataclasses.replace(cfg.model.pad_vocab(mesh.tensor), layer_group=layout.layer_group)
+    validate_sharding(model.logical_dims(), mesh.sizes(), layout.rules, cfg.microbatch_size)
+    return Plan(mesh, model, corpus, layout)
 
 
 class Trainer:
@@ -70,16 +76,17 @@ class Trainer:
     def __init__(self, cfg: TrainConfig, plan: Plan | None = None, log=print):
         plan = plan or plan_run(cfg)
         self.cfg, self.log = cfg, log
-        self.mesh_cfg, self.model_cfg, self.corpus, self.rules = (
-            plan.mesh, plan.model, plan.corpus, plan.rules)
+        self.mesh_cfg, self.model_cfg, self.corpus, self.layout = (
+            plan.mesh, plan.model, plan.corpus, plan.layout)
+        self.rules = plan.rules
         self.mesh = make_mesh(self.mesh_cfg)
         self.batch_sharding = NamedSharding(self.mesh,
                                             logical_to_spec((ax.BATCH, ax.SEQ), self.rules))
         make_model = lambda: GPT(self.model_cfg, nnx.Rngs(cfg.seed))
         abstract_params = nnx.split(nnx.eval_shape(make_model))[1]
-        self.optimizer = make_optimizer(cfg, abstract_params, self.mesh, self.rules)
+        self.optimizer = make_optimizer(cfg, abstract_params, self.mesh, self.layout)
         self.graphdef, self.state = create_train_state(make_model, self.optimizer.tx, self.mesh,
-                                                       self.rules)
+                                                       self.rules, self.optimizer.placed)
         loss_fn = make_loss_fn(self.graphdef, self.model_cfg, self.mesh, self.rules, cfg.z_loss)
         self.train_step = make_train_step(loss_fn, self.optimizer, cfg.microbatches,
                                           self.mesh, self.rules)
@@ -147,10 +154,10 @@ class Run:
               f"{len(t.corpus.val):,} val tokens | val unigram entropy {self.entropy:.3f} | "
               f"run dir {self.dir}")
         groups = t.optimizer.leaf_groups
-        t.log(f"optimizer {t.cfg.optim}: " + ", ".join(
+        t.log(f"optimizer {t.cfg.optim}, layout {t.layout.name}: " + ", ".join(
             f"{groups.count(g)} leaves {g}" for g in sorted(set(groups))) +
             f" | Newton-Schulz {self.optimizer_flops / 1e9:.2f} GFLOP/step "
-            f"(routing: {self.dir / 'routing.txt'})")
+            f"(routing and ownership: {self.dir / 'routing.txt'})")
 
     def loop(self) -> dict:
         t, cfg = self.t, self.t.cfg

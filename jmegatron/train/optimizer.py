@@ -7,12 +7,16 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import optax
+from jax.sharding import NamedSharding
 
 from jmegatron.optim import (ADAMW, MATRIX, Routing, TensorParallel, describe, leaf_routes, muon,
                              muon_flops)
+from jmegatron.optim.muon import resolve_layout
+from jmegatron.optim.placement import ownership_report, place
 from jmegatron.optim.tensor_parallel import tp_note
 from jmegatron.sharding import rules as ax
-from jmegatron.sharding.rules import DEFAULT_RULES, Rules, logical_axes_of
+from jmegatron.sharding.layouts import Layout
+from jmegatron.sharding.rules import DEFAULT_RULES, logical_axes_of
 from jmegatron.train.config import ScheduleConfig, TrainConfig
 
 
@@ -53,12 +57,24 @@ class Optimizer:
     schedule: optax.Schedule
     leaf_groups: tuple[str, ...]    # "muon" or "adamw" per param leaf, in leaf order
     flops_per_step: int             # Newton-Schulz FLOPs of one step (0 for AdamW)
-    routing_table: str              # who gets which optimizer (``describe``)
+    routing_table: str              # who gets which optimizer (``describe``), who owns what
+    momentum_placement: dict[str, NamedSharding] = dataclasses.field(default_factory=dict)
+
+    def placed(self, path: tuple) -> NamedSharding | None:
+        """Sharding of a Muon momentum leaf (by its state path), as the layout places it."""
+        names = [getattr(k, "name", None) for k in path]
+        if "momentum" not in names:
+            return None
+        rest = path[names.index("momentum") + 1:]
+        return self.momentum_placement.get(jax.tree_util.keystr(rest).removesuffix(".value"))
 
 
 def make_optimizer(cfg: TrainConfig, abstract_params, mesh: jax.sharding.Mesh | None = None,
-                   rules: Rules = DEFAULT_RULES) -> Optimizer:
+                   layout: Layout | None = None) -> Optimizer:
     """Global-norm clipping, then Muon + AdamW (``--optim muon``) or AdamW alone."""
+    placement = {}
+    if mesh is not None:
+        layout = resolve_layout(layout, mesh, DEFAULT_RULES)
     schedule = make_schedule(cfg.schedule, cfg.lr, cfg.steps)
     adam_schedule = (schedule if cfg.adamw.lr is None
                      else make_schedule(cfg.schedule, cfg.adamw.lr, cfg.steps))
@@ -68,16 +84,22 @@ def make_optimizer(cfg: TrainConfig, abstract_params, mesh: jax.sharding.Mesh | 
         main = muon(schedule, coefficients=m.ns_coefficients, steps=m.ns_steps,
                     beta=m.momentum, scale=m.scale, rms_factor=m.rms_factor,
                     weight_decay=cfg.weight_decay, matmul_dtype=jnp.dtype(m.ns_dtype),
-                    routing=routing, tp_mode=m.tp_mode, mesh=mesh, rules=rules,
+                    routing=routing, tp_mode=m.tp_mode, mesh=mesh, layout=layout,
                     adam_learning_rate=adam_schedule, adam_b1=a.b1, adam_b2=a.b2,
                     adam_eps=a.eps, adam_weight_decay=cfg.weight_decay,
                     adam_weight_decay_mask=decay_mask)
-        groups = tuple("muon" if leaf.route.kind == MATRIX else ADAMW
-                       for leaf in leaf_routes(abstract_params, routing))
+        leaves = leaf_routes(abstract_params, routing)
+        groups = tuple("muon" if leaf.route.kind == MATRIX else ADAMW for leaf in leaves)
+        if mesh is not None:
+            placement = {leaf.path: NamedSharding(mesh, place(leaf, layout).state)
+                         for leaf in leaves if leaf.route.kind == MATRIX}
         flops = muon_flops(abstract_params, routing, m.ns_steps, m.ns_coefficients)
-        note = None if mesh is None else tp_note(TensorParallel(mesh, rules, m.tp_mode),
-                                                 m.ns_steps, m.ns_coefficients)
+        note = None if mesh is None else tp_note(
+            TensorParallel(mesh, m.tp_mode), lambda leaf: place(leaf, layout).state,
+            m.ns_steps, m.ns_coefficients)
         table = describe(abstract_params, routing, block_note=note)
+        if mesh is not None:
+            table += "\n\n" + ownership_report(leaves, layout)
     elif cfg.optim == "adamw":
         main = optax.adamw(adam_schedule, b1=a.b1, b2=a.b2, eps=a.eps,
                            weight_decay=cfg.weight_decay, mask=decay_mask)
@@ -86,7 +108,7 @@ def make_optimizer(cfg: TrainConfig, abstract_params, mesh: jax.sharding.Mesh | 
     else:
         raise ValueError(f"unknown optimizer {cfg.optim!r}")
     clip = optax.clip_by_global_norm(cfg.grad_clip) if cfg.grad_clip > 0 else optax.identity()
-    return Optimizer(optax.chain(clip, main), schedule, groups, flops, table)
+    return Optimizer(optax.chain(clip, main), schedule, groups, flops, table, placement)
 
 
 def group_update_rms(updates, leaf_groups: tuple[str, ...]) -> dict[str, jax.Array]:

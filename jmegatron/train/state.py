@@ -21,13 +21,18 @@ class TrainState(NamedTuple):
     skipped: jax.Array       # int32 scalar: steps skipped for non-finite gradients
 
 
+StatePlacement = Callable[[tuple], NamedSharding | None]
+
+
 def follow_params(tree, abstract_params: nnx.State, param_shardings: nnx.State,
-                  mesh: jax.sharding.Mesh):
+                  mesh: jax.sharding.Mesh, placed: StatePlacement = lambda path: None):
     """Shardings for an optimizer-state-like ``tree`` of abstract arrays.
 
-    A leaf whose path ends with a parameter's path and whose shape equals that
-    parameter's (a momentum, a second moment) takes the parameter's sharding;
-    every other leaf (counts, scalars) is replicated.
+    ``placed(path)`` decides first (an optimizer that places its own state, as
+    Muon does under the layerwise layout). Otherwise a leaf whose path ends
+    with a parameter's path and whose shape equals that parameter's (a
+    momentum, a second moment) takes the parameter's sharding; every other
+    leaf (counts, scalars) is replicated.
     """
     by_path = {tuple(path): (leaf.shape, sharding) for (path, leaf), sharding in
                zip(jax.tree.leaves_with_path(abstract_params), jax.tree.leaves(param_shardings))}
@@ -35,6 +40,8 @@ def follow_params(tree, abstract_params: nnx.State, param_shardings: nnx.State,
     replicated = NamedSharding(mesh, P())
 
     def pick(path, leaf):
+        if (sharding := placed(path)) is not None:
+            return sharding
         for k in range(min(longest, len(path)), 0, -1):
             shape, sharding = by_path.get(tuple(path[-k:]), (None, None))
             if shape == leaf.shape:
@@ -45,7 +52,9 @@ def follow_params(tree, abstract_params: nnx.State, param_shardings: nnx.State,
 
 
 def create_train_state(make_model: Callable[[], nnx.Module], tx: optax.GradientTransformation,
-                       mesh: jax.sharding.Mesh, rules: Rules) -> tuple[nnx.GraphDef, TrainState]:
+                       mesh: jax.sharding.Mesh, rules: Rules,
+                       placed: StatePlacement = lambda path: None
+                       ) -> tuple[nnx.GraphDef, TrainState]:
     """Builds params and optimizer state under ``jit`` with their final shardings,
     so no full copy of the model exists on the host or on one device."""
     graphdef, abstract_params = nnx.split(nnx.eval_shape(make_model))
@@ -59,6 +68,7 @@ def create_train_state(make_model: Callable[[], nnx.Module], tx: optax.GradientT
     params = state_shardings(abstract_params, mesh, rules)
     replicated = NamedSharding(mesh, P())
     shardings = TrainState(replicated, params,
-                           follow_params(abstract.opt_state, abstract_params, params, mesh),
+                           follow_params(abstract.opt_state, abstract_params, params, mesh,
+                                         placed),
                            replicated)
     return graphdef, jax.jit(init, out_shardings=shardings)()

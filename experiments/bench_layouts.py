@@ -1,0 +1,112 @@
+"""Optimizer layouts side by side (the MatrixFSDP table).
+
+    python -m experiments.bench_layouts [--small] [--out PATH]
+
+On 8 devices (fsdp = 8), a GPT of 8 layers with D = 512 (D = 256 with
+--small) and Muon for its hidden matrices, for each layout: the optimizer
+step's time and collective bytes per device (read from the compiled HLO),
+the full train step's time, forward + backward collective bytes per device,
+and the bytes of params + optimizer state one device holds. Ratios are
+against `fsdp` (stock FSDP-Muon: gather each whole matrix, orthogonalize
+everything on every rank).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from experiments.bench_common import argv, best_time, print_table, write_results
+from jmegatron.models import GPT, GPTConfig
+from jmegatron.sharding import MeshConfig, hlo_collectives, make_mesh
+from jmegatron.sharding.layouts import LAYOUTS, make_layout
+from jmegatron.train import ScheduleConfig, TrainConfig, create_train_state
+from jmegatron.train.optimizer import make_optimizer
+from jmegatron.train.step import make_loss_fn, make_train_step
+
+
+def model_config(small: bool) -> GPTConfig:
+    d = 256 if small else 512
+    return GPTConfig(vocab_size=259, d_model=d, n_layers=8, n_heads=8, n_kv_heads=8,
+                     d_ff=3 * d).pad_vocab(1)
+
+
+def measure(layout_name: str, mesh, model: GPTConfig, tokens) -> dict:
+    layout = make_layout(layout_name, mesh.shape)
+    cfg = dataclasses.replace(model, layer_group=layout.layer_group)
+    train = TrainConfig(steps=10, grad_clip=0.0, schedule=ScheduleConfig(warmup_steps=0))
+    make_model = lambda: GPT(cfg, nnx.Rngs(0))
+    optimizer = make_optimizer(train, nnx.split(nnx.eval_shape(make_model))[1], mesh, layout)
+    graphdef, state = create_train_state(make_model, optimizer.tx, mesh, layout.rules,
+                                         optimizer.placed)
+    loss_fn = make_loss_fn(graphdef, cfg, mesh, layout.rules)
+    grads = jax.jit(jax.grad(lambda p, t: loss_fn(p, t)[0]))(state.params, tokens)
+
+    def opt_step(params, grads, opt_state):
+        updates, opt_state = optimizer.tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    opt_jit = jax.jit(opt_step)
+    fwd_bwd = jax.jit(jax.value_and_grad(lambda p, t: loss_fn(p, t)[0]))
+    train_step = make_train_step(loss_fn, optimizer, 1, mesh, layout.rules)
+    opt_report = hlo_collectives(opt_jit, state.params, grads, state.opt_state)
+    fb_report = hlo_collectives(fwd_bwd, state.params, tokens)
+    held = sum(x.addressable_shards[0].data.nbytes
+               for x in jax.tree.leaves((state.params, state.opt_state)))
+    row = {"variant": layout_name,
+           "opt_step_ms": 1e3 * best_time(lambda: opt_jit(state.params, grads, state.opt_state), 2),
+           "opt_collectives": opt_report.count(),
+           "opt_bytes_per_device": opt_report.bytes_per_device(),
+           "fwd_bwd_bytes_per_device": fb_report.bytes_per_device()}
+    state = jax.tree.map(jnp.copy, state)
+    holder = [state]
+
+    def one_train_step():
+        holder[0], metrics = train_step(holder[0], tokens)
+        return metrics["loss"]
+
+    row.update(train_step_ms=1e3 * best_time(one_train_step, 2), state_bytes_per_device=held)
+    return row
+
+
+def main(args_list: list[str] | None = None) -> list[dict]:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--small", action="store_true", help="D = 256 (about a minute)")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args(args_list)
+    jax.config.update("jax_num_cpu_devices", 8)
+    mesh = make_mesh(MeshConfig(fsdp=8))
+    model = model_config(args.small)
+    tokens = jax.device_put(
+        jax.random.randint(jax.random.key(0), (8, 129), 0, model.vocab_size),
+        jax.NamedSharding(mesh, jax.P(("data", "fsdp", "expert"))))
+    rows = [measure(name, mesh, model, tokens) for name in LAYOUTS]
+    base = next(r for r in rows if r["variant"] == "fsdp")
+    replicated = next(r for r in rows if r["variant"] == "replicated")
+    for r in rows:
+        r["opt_step_speedup_vs_fsdp"] = base["opt_step_ms"] / r["opt_step_ms"]
+        r["train_step_speedup_vs_fsdp"] = base["train_step_ms"] / r["train_step_ms"]
+        r["opt_step_vs_replicated_over_8"] = r["opt_step_ms"] / (replicated["opt_step_ms"] / 8)
+    print(f"model: {model.n_layers} layers, D={model.d_model}, F={model.d_ff}, "
+          f"{model.param_count() / 1e6:.1f}M params; mesh fsdp=8")
+    print_table(rows, [("variant", "layout", ""), ("opt_step_ms", "opt step ms", ".0f"),
+                       ("opt_step_speedup_vs_fsdp", "vs fsdp", ".1f"),
+                       ("opt_step_vs_replicated_over_8", "vs repl/8", ".2f"),
+                       ("opt_collectives", "opt colls", "d"),
+                       ("opt_bytes_per_device", "opt bytes/dev", ",.0f"),
+                       ("train_step_ms", "train step ms", ".0f"),
+                       ("train_step_speedup_vs_fsdp", "vs fsdp", ".2f"),
+                       ("fwd_bwd_bytes_per_device", "fwd+bwd bytes/dev", ",.0f"),
+                       ("state_bytes_per_device", "params+state/dev", ",.0f")])
+    write_results("bench_layouts", rows, args.out, argv() if args_list is None else args_list)
+    return rows
+
+
+if __name__ == "__main__":
+    main()

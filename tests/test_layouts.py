@@ -1,0 +1,189 @@
+"""Optimizer layouts: every layout trains exactly like one device, communicates
+what it claims in the optimizer step, and holds the memory it claims."""
+
+import dataclasses
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from jmegatron.models import GPT, GPTConfig
+from jmegatron.models.gpt import ungroup
+from jmegatron.sharding import DEFAULT_RULES, MeshConfig, hlo_collectives, make_mesh
+from jmegatron.sharding.layouts import LAYOUTS, make_layout
+from jmegatron.train import (AdamWConfig, ScheduleConfig, TrainConfig, create_train_state,
+                             make_loss_fn, make_train_step)
+from jmegatron.train.optimizer import make_optimizer
+
+MODEL = GPTConfig(vocab_size=300, d_model=64, n_layers=4, n_heads=4, n_kv_heads=2,
+                  d_ff=128).pad_vocab(2)
+# AdamW divides by sqrt(v): a near-zero gradient (a rare token's embedding row)
+# summed in another order can change sign and move its weight by a whole step.
+# eps=1e-4 keeps such weights linear in their gradient, so the comparison below
+# measures the layouts rather than Adam's amplification of round-off.
+TRAIN = TrainConfig(lr=1e-2, steps=3, grad_clip=0.0, schedule=ScheduleConfig(warmup_steps=0),
+                    adamw=AdamWConfig(eps=1e-4))
+B, T = 8, 16
+
+
+def batches():
+    return [jax.random.randint(jax.random.key(i), (B, T + 1), 0, MODEL.vocab_size)
+            for i in range(3)]
+
+
+def build(mesh, layout_name, model=MODEL, train=TRAIN):
+    layout = make_layout(layout_name, mesh.shape)
+    cfg = dataclasses.replace(model, layer_group=layout.layer_group)
+    make_model = lambda: GPT(cfg, nnx.Rngs(0))
+    abstract = nnx.split(nnx.eval_shape(make_model))[1]
+    optimizer = make_optimizer(train, abstract, mesh, layout)
+    graphdef, state = create_train_state(make_model, optimizer.tx, mesh, layout.rules,
+                                         optimizer.placed)
+    return layout, optimizer, graphdef, state
+
+
+def train_three_steps(mesh, layout_name):
+    layout, optimizer, graphdef, state = build(mesh, layout_name)
+    loss_fn = make_loss_fn(graphdef, MODEL, mesh, layout.rules)
+    step = make_train_step(loss_fn, optimizer, 1, mesh, layout.rules)
+    for tokens in batches():
+        state, _ = step(state, tokens)
+    return ungroup(state.params)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return train_three_steps(make_mesh(MeshConfig(fsdp=1), jax.devices()[:1]), "fsdp")
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("mesh_config", [MeshConfig(data=2, fsdp=4),
+                                         MeshConfig(data=2, fsdp=2, tensor=2)],
+                         ids=["tensor1", "tensor2"])
+def test_three_steps_equal_one_device(layout, mesh_config, reference):
+    params = train_three_steps(make_mesh(mesh_config), layout)
+    chex.assert_trees_all_close(params, reference, rtol=1e-5, atol=1e-6)
+
+
+# --- the optimizer step's communication and the memory each layout holds -----
+
+WIDE = dataclasses.replace(MODEL, n_layers=8, n_heads=4, n_kv_heads=4).pad_vocab(1)
+
+
+@pytest.fixture(scope="module")
+def fsdp8():
+    return make_mesh(MeshConfig(fsdp=8))
+
+
+def optimizer_step(mesh, layout_name):
+    """The optimizer step alone (no clipping: its norm is a global reduction)."""
+    layout, optimizer, _, state = build(mesh, layout_name, WIDE)
+    grads = jax.tree.map(jnp.ones_like, state.params)
+
+    def step(params, grads, opt_state):
+        updates, opt_state = optimizer.tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    return state, hlo_collectives(jax.jit(step), state.params, grads, state.opt_state)
+
+
+def muon_bytes(params) -> int:
+    return sum(v[...].nbytes for v in jax.tree.leaves(params["blocks"]["attn"])
+               + jax.tree.leaves(params["blocks"]["mlp"]))
+
+
+def test_owner_optimizer_step_has_no_collective(fsdp8):
+    _, report = optimizer_step(fsdp8, "owner")
+    assert report.collectives == (), report.table()
+
+
+def test_fsdp_optimizer_step_gathers_every_muon_matrix(fsdp8):
+    state, report = optimizer_step(fsdp8, "fsdp")
+    gathered = sum(c.buffer_bytes * c.executions for c in report.select("all-gather", ("fsdp",)))
+    assert gathered >= muon_bytes(state.params), report.table()
+
+
+def test_layerwise_gathers_the_updated_matrices_once(fsdp8):
+    state, report = optimizer_step(fsdp8, "layerwise")
+    assert {c.kind for c in report.collectives} == {"all-gather"}, report.table()
+    gathered = sum(c.buffer_bytes * c.executions for c in report.collectives)
+    assert gathered == muon_bytes(state.params), report.table()
+
+
+def device0_bytes(tree) -> int:
+    return sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(tree))
+
+
+def total_bytes(tree) -> int:
+    return sum(x.nbytes for x in jax.tree.leaves(tree))
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_memory_per_device(layout, fsdp8):
+    _, optimizer, _, state = build(fsdp8, layout, WIDE)
+    params, opt = state.params, state.opt_state
+    largest = 4 * max(WIDE.vocab * WIDE.d_model, 2 * WIDE.d_model * WIDE.d_ff)  # embed, gate_up
+    held = device0_bytes(params) + device0_bytes(opt)
+    whole = total_bytes(params) + total_bytes(opt)
+    muon_state = opt[1].inner_states["muon"].inner_state[0].momentum
+    if layout == "replicated":
+        assert held == whole
+    elif layout == "layerwise":
+        assert device0_bytes(params) == total_bytes(params)
+        assert device0_bytes(muon_state) == total_bytes(muon_state) // 8
+    else:   # fsdp and owner: about an eighth of everything
+        assert abs(held - whole / 8) <= largest, (held, whole / 8, largest)
+
+
+# --- owner assignment ---------------------------------------------------------
+
+from jmegatron.optim.owners import assign, ns_cost, rank_loads  # noqa: E402
+
+MIXED = ([ns_cost(512, 512)] * 30 + [ns_cost(512, 2048)] * 30   # attention and MLP, 30 layers
+         + [ns_cost(2048, 512)] * 30)
+
+
+@pytest.mark.parametrize("method", ["round_robin", "balanced"])
+def test_assignments_are_deterministic_and_cover_every_matrix(method):
+    owners = assign(MIXED, 8, method)
+    assert owners == assign(MIXED, 8, method)
+    assert len(owners) == len(MIXED) and set(owners) == set(range(8))
+    assert sum(rank_loads(MIXED, owners, 8)) == sum(MIXED)
+
+
+def test_balanced_is_no_worse_than_round_robin_on_mixed_shapes():
+    robin = max(rank_loads(MIXED, assign(MIXED, 8, "round_robin"), 8))
+    balanced = max(rank_loads(MIXED, assign(MIXED, 8, "balanced"), 8))
+    assert balanced <= robin
+    assert balanced / (sum(MIXED) / 8) < 1.05    # LPT: near the mean here
+
+
+def test_ownership_report_counts_padding():
+    from jmegatron.optim import Routing, leaf_routes
+    from jmegatron.optim.placement import ownership_report
+    layout = make_layout("layerwise", {"data": 2, "fsdp": 4, "expert": 1, "tensor": 1})
+    params = nnx.state(GPT(MODEL, nnx.Rngs(0)), nnx.Param)
+    report = ownership_report(leaf_routes(params, Routing()), layout)
+    # 4 stacks of 4 layers over 8 owners: 4 padded slots per stack.
+    assert "padding 16 of 16 matrices (100%)" in report and "imbalance" in report
+
+
+def test_owner_gathers_one_group_at_a_time_and_reduce_scatters_gradients(fsdp8):
+    """16 layers on 8 owners: two groups of 8; each block leaf moves by one
+    all-gather per group forward and one reduce-scatter per group backward."""
+    model = dataclasses.replace(WIDE, n_layers=16)
+    layout, _, graphdef, state = build(fsdp8, "owner", model)
+    loss_fn = make_loss_fn(graphdef, model, fsdp8, layout.rules)
+    tokens = jax.device_put(batches()[0], jax.NamedSharding(fsdp8, jax.P(("data", "fsdp"))))
+    report = hlo_collectives(jax.jit(jax.grad(lambda p: loss_fn(p, tokens)[0])), state.params)
+    block_leaves = len(jax.tree.leaves(state.params["blocks"]))
+    assert report.count("reduce-scatter", ("fsdp",)) == 2 * block_leaves, report.table()
+    gathers = [c for c in report.select("all-gather", ("fsdp",)) if c.executions == 2]
+    assert sum(c.buffers for c in gathers) == block_leaves, report.table()
+    # What is all-reduced is the element-wise (ZeRO-3) embedding, head and norm, no block weight.
+    others = sum(x.nbytes for k, x in state.params.items() if k != "blocks")
+    assert sum(c.buffer_bytes for c in report.select("all-reduce")) <= others + 16, report.table()
