@@ -6,7 +6,8 @@ On 8 devices (fsdp = 8), a GPT of 8 layers with D = 512 (D = 256 with
 --small) and Muon for its hidden matrices, for each layout: the optimizer
 step's time and collective bytes per device (read from the compiled HLO),
 the full train step's time, forward + backward collective bytes per device,
-and the bytes of params + optimizer state one device holds. Ratios are
+the bytes of params + optimizer state one device holds, and the train step's
+peak temporary bytes per device (XLA's memory analysis). Ratios are
 against `fsdp` (stock FSDP-Muon: gather each whole matrix, orthogonalize
 everything on every rank).
 """
@@ -70,7 +71,9 @@ def measure(layout_name: str, mesh, model: GPTConfig, tokens) -> dict:
         holder[0], metrics = train_step(holder[0], tokens)
         return metrics["loss"]
 
-    row.update(train_step_ms=1e3 * best_time(one_train_step, 2), state_bytes_per_device=held)
+    temp = train_step.lower(holder[0], tokens).compile().memory_analysis().temp_size_in_bytes
+    row.update(train_step_ms=1e3 * best_time(one_train_step, 2), state_bytes_per_device=held,
+               train_temp_bytes_per_device=temp)
     return row
 
 
@@ -103,7 +106,8 @@ def main(args_list: list[str] | None = None) -> list[dict]:
                        ("train_step_ms", "train step ms", ".0f"),
                        ("train_step_speedup_vs_fsdp", "vs fsdp", ".2f"),
                        ("fwd_bwd_bytes_per_device", "fwd+bwd bytes/dev", ",.0f"),
-                       ("state_bytes_per_device", "params+state/dev", ",.0f")])
+                       ("state_bytes_per_device", "params+state/dev", ",.0f"),
+                       ("train_temp_bytes_per_device", "train temp/dev", ",.0f")])
     write_results("bench_layouts", rows, args.out, argv() if args_list is None else args_list)
     return rows
 

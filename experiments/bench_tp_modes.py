@@ -24,7 +24,7 @@ import jax
 
 from experiments.bench_common import argv, best_time, print_table, write_results
 from jmegatron.optim import TensorParallel, TPCostModel, newton_schulz, tp_newton_schulz
-from jmegatron.sharding import DEFAULT_RULES, MeshConfig, hlo_collectives, make_mesh
+from jmegatron.sharding import MeshConfig, hlo_collectives, make_mesh
 
 STEPS = 5
 FULL = {"square": (1024, 1024), "1:4": (512, 2048), "4:1": (2048, 512)}
@@ -43,7 +43,7 @@ def measure(t: int, m: int, n: int, mode: str) -> dict:
     if mode == "compiler":
         fn = jax.jit(functools.partial(newton_schulz, steps=STEPS))
     else:
-        tp = TensorParallel(mesh, DEFAULT_RULES)
+        tp = TensorParallel(mesh)
         fn = jax.jit(lambda a: tp_newton_schulz(a, "out", mode, tp, steps=STEPS))
     report = hlo_collectives(fn, x)
     row = {"variant": mode, "tensor": t, "shape": f"{m}x{n}", "ms": 1e3 * best_time(lambda: fn(x)),

@@ -10,7 +10,7 @@ from flax import nnx
 
 from jmegatron.models import GPT, GPTConfig, create_sharded
 from jmegatron.optim import (Routing, TensorParallel, TPCostModel, describe, muon,
-                             newton_schulz, tp_newton_schulz)
+                             newton_schulz, scale_by_muon, tp_newton_schulz, update_scale)
 from jmegatron.optim.tensor_parallel import tp_note
 from jmegatron.sharding import (DEFAULT_RULES, MeshConfig, hlo_collectives, logical_to_spec,
                                 make_mesh)
@@ -38,6 +38,25 @@ def test_exact_modes_equal_one_device(t, side):
 
 
 @pytest.mark.parametrize("side", ["in", "out"])
+def test_aol_distributed_is_exact_or_refused(side):
+    """AOL rescales the Gram side's rows: exact when that is the short side."""
+    for shape in [(2, 32, 128), (2, 128, 32)]:
+        tp, x, xs = setup(4, shape, side)
+        want = newton_schulz(x, coefficients="aol")
+        short_unsplit = (shape[2] if side == "in" else shape[1]) == min(shape[1:])
+        forced = TensorParallel(tp.mesh, "distributed")
+        assert forced.mode_for(shape[1], shape[2], side, 4, aol=True) == (
+            "distributed" if short_unsplit else "duplicated")
+        run = lambda m: jax.jit(lambda a: tp_newton_schulz(a, side, m, tp, coefficients="aol"))(xs)
+        if short_unsplit:
+            np.testing.assert_allclose(run("distributed"), want, rtol=1e-5, atol=2e-6)
+        else:
+            with pytest.raises(ValueError, match="AOL needs the short side unsplit"):
+                run("distributed")
+        np.testing.assert_allclose(run("duplicated"), want, rtol=1e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize("side", ["in", "out"])
 def test_blockwise_is_newton_schulz_of_each_block(side):
     tp, x, xs = setup(4, (2, 64, 128), side)
     got = jax.jit(lambda a: tp_newton_schulz(a, side, "blockwise", tp))(xs)
@@ -61,6 +80,11 @@ def test_each_mode_communicates_what_it_claims(steps, side):
     r = 128 if side == "in" else 64          # the Gram of the unsplit side
     assert grams == [2 * 4] + [2 * r * r * 4] * steps
     assert blockwise.count() == 0
+    # The cost model's bytes (per matrix; the stack holds 2) are the HLO's, less
+    # the scalars of the scale.
+    for mode, report in (("duplicated", duplicated), ("distributed", distributed)):
+        modeled = 2 * TPCostModel().terms(mode, 4, 64, 128, side, steps)[1]
+        assert 0 <= report.bytes_per_device() - modeled <= 2 * 8, (mode, report.table())
 
 
 def test_auto_follows_the_cost_model():
@@ -118,3 +142,18 @@ def test_describe_reports_each_blocks_mode():
     per_head = describe(params, Routing(per_head=True),
                         block_note=tp_note(TensorParallel(mesh), spec_of, None, "quintic"))
     assert "q: 8 x [64, 16] [local]" in per_head   # a head lives on one tensor rank
+
+
+def test_blockwise_scales_each_block_by_its_own_shape():
+    mesh = make_mesh(MeshConfig(data=2, fsdp=1, tensor=4))
+    down = nnx.state(create_sharded(lambda: GPT(CFG, nnx.Rngs(0)), mesh), nnx.Param)
+    down = {"down": down["blocks"]["mlp"]["down"]}                   # [L, F, D], F split 4 ways
+    grads = jax.tree.map(lambda p: jax.device_put(
+        jax.random.normal(jax.random.key(3), p.shape), p[...].sharding), down)
+    tx = scale_by_muon(tp_mode="blockwise", mesh=mesh, rules=DEFAULT_RULES)
+    got = jax.jit(tx.update)(grads, tx.init(down))[0]["down"][...]
+    g = np.asarray(grads["down"][...])
+    f, d = CFG.d_ff // 4, CFG.d_model
+    for block in range(4):
+        want = newton_schulz(g[:, block * f:(block + 1) * f]) * update_scale("spectral", f, d)
+        np.testing.assert_allclose(got[:, block * f:(block + 1) * f], want, rtol=1e-5, atol=1e-6)

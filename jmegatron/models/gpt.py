@@ -59,11 +59,13 @@ class GPT(nnx.Module):
         if self.cfg.layer_group == 1:
             return jax.lax.scan(one_layer, x, state)[0]
         # [L/g, g, ...]: each step gathers one group of g whole layers (each kept on
-        # its own rank under the owner layout), runs them, and moves on; their
-        # gradients go back to the owners by one reduce-scatter.
+        # its own rank under the owner layout), runs them, and moves on; the
+        # backward gathers the group again and reduce-scatters its gradients back
+        # to the owners.
         axes = [logical_axes_of(v)[1:] for v in
                 jax.tree.leaves(state, is_leaf=lambda v: isinstance(v, nnx.Variable))]
         treedef = jax.tree.structure(state)
+
         run_layers = lambda x, leaves: jax.lax.scan(one_layer, x, treedef.unflatten(leaves))[0]
 
         def one_group(x, group_state):

@@ -13,7 +13,7 @@ from jmegatron.optim.coefficients import CoefficientSet, coefficient_set
 from jmegatron.optim.newton_schulz import newton_schulz, ns_flops
 from jmegatron.optim.routing import (ADAMW, MATRIX, LeafRoute, Routing, labels, leaf_routes,
                                      map_matrices, matrix_pieces)
-from jmegatron.optim.placement import Placement, constrain_to, place
+from jmegatron.optim.placement import Placement, constrain_to, place_all
 from jmegatron.optim.tensor_parallel import TensorParallel, TPMode, tp_newton_schulz
 from jmegatron.sharding.layouts import Layout, make_layout
 from jmegatron.sharding.rules import DEFAULT_RULES, Rules
@@ -96,10 +96,11 @@ def scale_by_muon(*, coefficients: str | CoefficientSet | tuple = "quintic",
     lay = None if mesh is None else resolve_layout(layout, mesh, rules)
     ns = dict(steps=steps, coefficients=coefficients, matmul_dtype=matmul_dtype)
     n_steps = coefficient_set(coefficients).default_steps if steps is None else steps
+    aol = coefficient_set(coefficients).normalization == "aol"
     memo: dict = {}   # routes seen with logical axes, for updates that arrive without
 
-    def placement(leaf: LeafRoute) -> Placement | None:
-        return None if lay is None or leaf.logical is None else place(leaf, lay)
+    def placements(leaves: list[LeafRoute]) -> list[Placement | None]:
+        return [None] * len(leaves) if lay is None else place_all(leaves, lay)
 
     def orthogonalize(u: jax.Array, leaf: LeafRoute, where: Placement | None) -> jax.Array:
         side = None if where is None else tp.side(leaf.route.spec, where.state)
@@ -108,7 +109,7 @@ def scale_by_muon(*, coefficients: str | CoefficientSet | tuple = "quintic",
             if tp is None:
                 return newton_schulz(stack, **ns) * update_scale(scale, fan_in, fan_out,
                                                                  rms_factor)
-            mode = None if side is None else tp.mode_for(fan_in, fan_out, side, n_steps)
+            mode = None if side is None else tp.mode_for(fan_in, fan_out, side, n_steps, aol)
             if mode == "blockwise":   # each block is a matrix of its own, scale included
                 fan_in, fan_out = ((fan_in // tp.size, fan_out) if side == "in"
                                    else (fan_in, fan_out // tp.size))
@@ -121,9 +122,8 @@ def scale_by_muon(*, coefficients: str | CoefficientSet | tuple = "quintic",
         leaves = _matrix_routes(params, routing, memo)   # fails early on a non-matrix leaf
         flat, treedef = jax.tree.flatten(params)
         moms = []
-        for x, leaf in zip(flat, leaves):
+        for x, where in zip(flat, placements(leaves)):
             zeros = jnp.zeros_like(x, dtype=momentum_dtype or x.dtype)  # keeps x's sharding
-            where = placement(leaf)
             moms.append(zeros if where is None else
                         constrain_to(where.pad(zeros), mesh, where.state))
         return MuonState(jnp.zeros([], jnp.int32), treedef.unflatten(moms))
@@ -135,8 +135,7 @@ def scale_by_muon(*, coefficients: str | CoefficientSet | tuple = "quintic",
         flat, treedef = jax.tree.flatten(updates)
         moms = treedef.flatten_up_to(state.momentum)
         new_updates, new_moms = [], []
-        for g, m, leaf in zip(flat, moms, leaves):
-            where = placement(leaf)
+        for g, m, leaf, where in zip(flat, moms, leaves, placements(leaves)):
             g32 = g.astype(jnp.float32)
             if where is not None:   # gradients reach the owners of their matrices
                 g32 = constrain_to(where.pad(g32), mesh, where.state)

@@ -4,8 +4,8 @@ Round-robin gives matrix i to rank i mod n. The balanced assignment is
 longest-processing-time first on Newton-Schulz cost (max(m, n) min(m, n)^2
 per matrix): heaviest matrix first, each to the least-loaded rank, ties to
 the lower index, so it is deterministic. LPT's makespan is at most 4/3 of
-the optimum (Graham 1969) and never worse than round-robin's when shapes
-differ; with equal shapes both are the same.
+the optimum (Graham 1969); it usually beats round-robin when shapes differ,
+but not always (costs 2, 3, 2, 3, 2 on two ranks: 6 round-robin, 7 LPT).
 """
 
 from __future__ import annotations

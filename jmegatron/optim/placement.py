@@ -21,6 +21,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from jmegatron.optim.owners import assign, load_report, ns_cost, rank_loads
 from jmegatron.optim.routing import MATRIX, LeafRoute, batch_axes
 from jmegatron.sharding.layouts import Layout
+from jmegatron.sharding.rules import LAYER_GROUPS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,15 +35,17 @@ class Placement:
     length: int               # stack length
     padded: int               # stack length with padding (layerwise)
     owners: int               # ranks the state's stack is split over (layerwise)
+    offset: int = 0           # matrices of earlier stacks, mod owners (layerwise)
 
     def pad(self, x: jax.Array) -> jax.Array:
-        """The stack padded and reordered so that rank r's slice holds matrices
-        r, r + n, r + 2n, ... (round-robin), then padding."""
+        """The stack padded and reordered for round-robin ownership that continues
+        across stacks: matrix i of this stack goes to rank (offset + i) mod n, and
+        rank r's slice holds its matrices in order, then padding."""
         if self.owners == 1:
             return x
         a, n = self.stack_axis, self.owners
         widths = [(0, 0)] * x.ndim
-        widths[a] = (0, self.padded - self.length)
+        widths[a] = (self.offset, self.padded - self.length - self.offset)
         x = jnp.pad(x, widths)
         split = x.reshape(x.shape[:a] + (self.padded // n, n) + x.shape[a + 1:])
         return jnp.swapaxes(split, a, a + 1).reshape(x.shape)
@@ -53,20 +56,39 @@ class Placement:
         a, n = self.stack_axis, self.owners
         split = x.reshape(x.shape[:a] + (n, self.padded // n) + x.shape[a + 1:])
         x = jnp.swapaxes(split, a, a + 1).reshape(x.shape)
-        return jax.lax.slice_in_dim(x, 0, self.length, axis=a)
+        return jax.lax.slice_in_dim(x, self.offset, self.offset + self.length, axis=a)
 
 
-def place(leaf: LeafRoute, layout: Layout) -> Placement:
-    """The placement of a matrix leaf (with logical axes) under ``layout``."""
+def place(leaf: LeafRoute, layout: Layout, offset: int = 0) -> Placement:
+    """The placement of a matrix leaf (with logical axes) under ``layout``; its
+    stack's first matrix goes to rank ``offset`` under layerwise."""
     logical = leaf.logical or (None,) * len(leaf.shape)
+    if layout.name == "owner" and layout.owners > 1 and logical[0] != LAYER_GROUPS:
+        raise ValueError(f"the owner layout needs block weights stacked [L/f, f, ...], but "
+                         f"{leaf.path} has logical axes {logical}: build the model with "
+                         f"GPTConfig(layer_group={layout.layer_group})")
     batch = batch_axes(leaf.route.spec, len(leaf.shape))
     state = _full(layout.state_spec(logical, batch), len(leaf.shape))
     stack_axis = batch[0] if batch else None
     length = leaf.shape[stack_axis] if batch else 1
     owners = layout.owners if layout.name == "layerwise" and batch else 1
+    offset %= owners
+    padded = -(-(length + offset) // owners) * owners
     return Placement(_full(layout.param_spec(logical), len(leaf.shape)), state,
-                     tuple(state[a] for a in batch), stack_axis, length,
-                     layout.padded(length) if batch else length, owners)
+                     tuple(state[a] for a in batch), stack_axis, length, padded, owners, offset)
+
+
+def place_all(leaves: list[LeafRoute], layout: Layout) -> list[Placement | None]:
+    """Placements of the matrix leaves in order (None for the others), with
+    round-robin ownership continuing from one stack to the next."""
+    out, seen = [], 0
+    for leaf in leaves:
+        if leaf.route.kind != MATRIX or leaf.logical is None:
+            out.append(None)
+            continue
+        out.append(place(leaf, layout, seen))
+        seen += out[-1].length
+    return out
 
 
 def ownership_report(leaves: list[LeafRoute], layout: Layout) -> str:
@@ -75,16 +97,15 @@ def ownership_report(leaves: list[LeafRoute], layout: Layout) -> str:
     if layout.owners == 1:
         return f"{layout.name}: no rank owns whole matrices"
     costs, owner, padding = [], [], 0
-    for leaf in leaves:
-        if leaf.route.kind != MATRIX:
+    for leaf, where in zip(leaves, place_all(leaves, layout)):
+        if where is None:
             continue
-        where = place(leaf, layout)
         # Owner stacks are [L/g, g, ...]: layer l = group * g + rank, owned by l mod g.
         slots = where.length * (layout.layer_group if layout.name == "owner" else 1)
         per_slot = sum(p.count * ns_cost(p.fan_in, p.fan_out)
                        for p in leaf.route.spec.pieces(leaf.shape)) / slots
         costs += [per_slot] * slots
-        owner += [i % layout.owners for i in range(slots)]
+        owner += [(where.offset + i) % layout.owners for i in range(slots)]
         padding += where.padded - where.length
     balanced = assign(costs, layout.owners, "balanced")
     lpt = max(rank_loads(costs, balanced, layout.owners)) / (sum(costs) / layout.owners)

@@ -115,23 +115,31 @@ class TensorParallel:
                 return side
         return None
 
-    def mode_for(self, m: int, n: int, side: Side, steps: int) -> str:
-        if self.mode != "auto":
-            return self.mode
-        return self.cost_model.choose(self.size, m, n, side, steps)
+    def mode_for(self, m: int, n: int, side: Side, steps: int, aol: bool = False) -> str:
+        """The mode for an m x n matrix split along ``side``. AOL rescales the rows
+        of the Gram's side, which must be the short side to match the single-device
+        result: with the long side unsplit, distributed falls back to duplicated."""
+        mode = self.mode if self.mode != "auto" else self.cost_model.choose(
+            self.size, m, n, side, steps)
+        unsplit = n if side == "in" else m
+        if mode == "distributed" and aol and unsplit > min(m, n):
+            return "duplicated"
+        return mode
 
 
 def tp_note(tp: TensorParallel, leaf_spec_of: Callable, steps: int | None,
             coefficients) -> Callable:
     """``describe`` note per block: the tensor-parallel mode it gets
     (``leaf_spec_of(leaf)`` gives the PartitionSpec the block is split by)."""
-    n_steps = coefficient_set(coefficients).default_steps if steps is None else steps
+    cset = coefficient_set(coefficients)
+    n_steps = cset.default_steps if steps is None else steps
 
     def note(leaf, piece) -> str:
         side = tp.side(leaf.route.spec, leaf_spec_of(leaf))
         if side is None:
             return "[local]"
-        mode = tp.mode_for(piece.fan_in, piece.fan_out, side, n_steps)
+        mode = tp.mode_for(piece.fan_in, piece.fan_out, side, n_steps,
+                           cset.normalization == "aol")
         if mode != "distributed":
             return f"[tensor {side}: {mode}]"
         r = piece.fan_out if side == "in" else piece.fan_in
@@ -151,6 +159,10 @@ def tp_newton_schulz(stack: jax.Array, side: Side | None, mode: str, tp: TensorP
     ns = dict(steps=steps, coefficients=coefficients, matmul_dtype=matmul_dtype)
     batch_spec = tuple(batch_spec) + (None,) * (stack.ndim - 2 - len(batch_spec))
     row, col = stack.ndim - 2, stack.ndim - 1
+    unsplit = stack.shape[col] if side == "in" else stack.shape[row]
+    if mode == "distributed" and normalization == "aol" and unsplit > min(stack.shape[-2:]):
+        raise ValueError("distributed Newton-Schulz with AOL needs the short side unsplit; "
+                         "use duplicated (mode_for picks it)")
     dim = row if side == "in" else col
     split = {None: (None, None), "in": (tp.axis, None), "out": (None, tp.axis)}[side]
     spec = P(*batch_spec, *split)

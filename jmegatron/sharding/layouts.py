@@ -32,8 +32,7 @@ from typing import Mapping
 from jax.sharding import PartitionSpec as P
 
 from jmegatron.sharding.mesh import BATCH_AXES
-from jmegatron.sharding.rules import (DEFAULT_RULES, LAYERS, Rules, logical_to_spec,
-                                      mesh_axes_of, with_rules)
+from jmegatron.sharding.rules import DEFAULT_RULES, LAYERS, Rules, logical_to_spec, with_rules
 
 LAYOUTS = ("replicated", "layerwise", "fsdp", "owner")
 
@@ -58,13 +57,8 @@ class Layout:
             return self.param_spec(logical)
         entries = list(logical_to_spec(logical, self.rules))
         entries += [None] * (len(logical) - len(entries))
-        entries[batch_dims[0]] = self.owner_axes if len(self.owner_axes) > 1 else (
-            self.owner_axes[0] if self.owner_axes else None)
+        entries[batch_dims[0]] = self.owner_axes or None
         return P(*entries)
-
-    def padded(self, count: int) -> int:
-        """A stack of ``count`` matrices padded to a multiple of the owners."""
-        return -(-count // self.owners) * self.owners if self.name == "layerwise" else count
 
 
 def make_layout(name: str, mesh_shape: Mapping[str, int], rules: Rules = DEFAULT_RULES) -> Layout:
@@ -85,10 +79,6 @@ def make_layout(name: str, mesh_shape: Mapping[str, int], rules: Rules = DEFAULT
     # The stack axis takes fsdp; block weights' embed axis then stays whole
     # (a mesh axis splits an array once), while the embedding and head keep
     # their element-wise fsdp split.
-    return Layout(name, with_rules(rules, **{LAYERS: "fsdp"}), owners, size(owners) or 1,
-                  size(owners) or 1)
+    return Layout(name, with_rules(rules, **{LAYERS: "fsdp"}), owners, size(owners), size(owners))
 
 
-def owner_axes_of(layout: Layout, rules_logical: tuple) -> tuple[str, ...]:
-    """Mesh axes that split a leaf's stack axis under ``layout`` (for reports)."""
-    return tuple(a for name in rules_logical for a in mesh_axes_of(name, layout.rules))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import math
 from typing import Callable, Iterable, Mapping, Sequence
 
@@ -201,6 +202,12 @@ def run_gathered(fn: Callable, x: jax.Array, leaves: Sequence[jax.Array],
     leaf_specs = [manual_only(logical_to_spec(axes, rules)) for axes in leaf_axes]
     inner_rules = without_axes(rules, manual)
 
+    # The backward gathers the weights again instead of keeping every group's
+    # alive (which would hold all weights on every device): only the outputs of
+    # the projections are saved, as FSDP does. (A policy that saves everything
+    # but the gathered weights keeps their transposed and cast copies instead.)
+    @functools.partial(jax.checkpoint,
+                       policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
     def body(x_block, *blocks):
         whole = [jax.lax.all_gather(b, owners, axis=0, tiled=True) if owners else b
                  for b in blocks]

@@ -12,7 +12,7 @@ from jax.sharding import NamedSharding
 from jmegatron.optim import (ADAMW, MATRIX, Routing, TensorParallel, describe, leaf_routes, muon,
                              muon_flops)
 from jmegatron.optim.muon import resolve_layout
-from jmegatron.optim.placement import ownership_report, place
+from jmegatron.optim.placement import ownership_report, place_all
 from jmegatron.optim.tensor_parallel import tp_note
 from jmegatron.sharding import rules as ax
 from jmegatron.sharding.layouts import Layout
@@ -91,11 +91,12 @@ def make_optimizer(cfg: TrainConfig, abstract_params, mesh: jax.sharding.Mesh | 
         leaves = leaf_routes(abstract_params, routing)
         groups = tuple("muon" if leaf.route.kind == MATRIX else ADAMW for leaf in leaves)
         if mesh is not None:
-            placement = {leaf.path: NamedSharding(mesh, place(leaf, layout).state)
-                         for leaf in leaves if leaf.route.kind == MATRIX}
+            placed = {leaf.path: where for leaf, where in zip(leaves, place_all(leaves, layout))
+                      if where is not None}
+            placement = {path: NamedSharding(mesh, where.state) for path, where in placed.items()}
         flops = muon_flops(abstract_params, routing, m.ns_steps, m.ns_coefficients)
         note = None if mesh is None else tp_note(
-            TensorParallel(mesh, m.tp_mode), lambda leaf: place(leaf, layout).state,
+            TensorParallel(mesh, m.tp_mode), lambda leaf: placed[leaf.path].state,
             m.ns_steps, m.ns_coefficients)
         table = describe(abstract_params, routing, block_note=note)
         if mesh is not None:
