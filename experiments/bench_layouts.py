@@ -1,15 +1,16 @@
 """Optimizer layouts side by side (the MatrixFSDP table).
 
-    python -m experiments.bench_layouts [--small] [--out PATH]
+    python -m experiments.bench_layouts [--small] [--optim muon soap adamw] [--out PATH]
 
 On 8 devices (fsdp = 8), a GPT of 8 layers with D = 512 (D = 256 with
---small) and Muon for its hidden matrices, for each layout: the optimizer
+--small) and Muon (or each --optim given) for its hidden matrices, for each
+layout: the optimizer
 step's time and collective bytes per device (read from the compiled HLO),
 the full train step's time, forward + backward collective bytes per device,
 the bytes of params + optimizer state one device holds, and the train step's
 peak temporary bytes per device (XLA's memory analysis). Ratios are
 against `fsdp` (stock FSDP-Muon: gather each whole matrix, orthogonalize
-everything on every rank).
+everything on every rank) with the same optimizer.
 """
 
 from __future__ import annotations
@@ -37,10 +38,11 @@ def model_config(small: bool) -> GPTConfig:
                      d_ff=3 * d).pad_vocab(1)
 
 
-def measure(layout_name: str, mesh, model: GPTConfig, tokens) -> dict:
+def measure(layout_name: str, mesh, model: GPTConfig, tokens, optim: str = "muon") -> dict:
     layout = make_layout(layout_name, mesh.shape)
     cfg = dataclasses.replace(model, layer_group=layout.layer_group)
-    train = TrainConfig(steps=10, grad_clip=0.0, schedule=ScheduleConfig(warmup_steps=0))
+    train = TrainConfig(steps=10, grad_clip=0.0, schedule=ScheduleConfig(warmup_steps=0),
+                        optim=optim)
     make_model = lambda: GPT(cfg, nnx.Rngs(0))
     optimizer = make_optimizer(train, nnx.split(nnx.eval_shape(make_model))[1], mesh, layout)
     graphdef, state = create_train_state(make_model, optimizer.tx, mesh, layout.rules,
@@ -59,7 +61,8 @@ def measure(layout_name: str, mesh, model: GPTConfig, tokens) -> dict:
     fb_report = hlo_collectives(fwd_bwd, state.params, tokens)
     held = sum(x.addressable_shards[0].data.nbytes
                for x in jax.tree.leaves((state.params, state.opt_state)))
-    row = {"variant": layout_name,
+    row = {"optim": optim, "variant": layout_name,
+           "opt_gflop": optimizer.flops_per_step / 1e9,
            "opt_step_ms": 1e3 * best_time(lambda: opt_jit(state.params, grads, state.opt_state), 2),
            "opt_collectives": opt_report.count(),
            "opt_bytes_per_device": opt_report.bytes_per_device(),
@@ -81,6 +84,7 @@ def main(args_list: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--small", action="store_true", help="D = 256 (about a minute)")
+    parser.add_argument("--optim", nargs="+", default=["muon"], choices=["muon", "soap", "adamw"])
     parser.add_argument("--out", default=None)
     args = parser.parse_args(args_list)
     jax.config.update("jax_num_cpu_devices", 8)
@@ -89,16 +93,17 @@ def main(args_list: list[str] | None = None) -> list[dict]:
     tokens = jax.device_put(
         jax.random.randint(jax.random.key(0), (8, 129), 0, model.vocab_size),
         jax.NamedSharding(mesh, jax.P(("data", "fsdp", "expert"))))
-    rows = [measure(name, mesh, model, tokens) for name in LAYOUTS]
-    base = next(r for r in rows if r["variant"] == "fsdp")
-    replicated = next(r for r in rows if r["variant"] == "replicated")
+    rows = [measure(name, mesh, model, tokens, optim) for optim in args.optim for name in LAYOUTS]
     for r in rows:
-        r["opt_step_speedup_vs_fsdp"] = base["opt_step_ms"] / r["opt_step_ms"]
-        r["train_step_speedup_vs_fsdp"] = base["train_step_ms"] / r["train_step_ms"]
-        r["opt_step_vs_replicated_over_8"] = r["opt_step_ms"] / (replicated["opt_step_ms"] / 8)
+        same = {x["variant"]: x for x in rows if x["optim"] == r["optim"]}
+        r["opt_step_speedup_vs_fsdp"] = same["fsdp"]["opt_step_ms"] / r["opt_step_ms"]
+        r["train_step_speedup_vs_fsdp"] = same["fsdp"]["train_step_ms"] / r["train_step_ms"]
+        r["opt_step_vs_replicated_over_8"] = r["opt_step_ms"] / (
+            same["replicated"]["opt_step_ms"] / 8)
     print(f"model: {model.n_layers} layers, D={model.d_model}, F={model.d_ff}, "
           f"{model.param_count() / 1e6:.1f}M params; mesh fsdp=8")
-    print_table(rows, [("variant", "layout", ""), ("opt_step_ms", "opt step ms", ".0f"),
+    print_table(rows, [("optim", "optimizer", ""), ("variant", "layout", ""),
+                       ("opt_gflop", "opt GFLOP", ".2f"), ("opt_step_ms", "opt step ms", ".0f"),
                        ("opt_step_speedup_vs_fsdp", "vs fsdp", ".1f"),
                        ("opt_step_vs_replicated_over_8", "vs repl/8", ".2f"),
                        ("opt_collectives", "opt colls", "d"),

@@ -1,4 +1,4 @@
-"""Muon against AdamW on the same preset, side by side.
+"""Muon and SOAP against AdamW on the same preset, side by side.
 
     python -m experiments.compare_optimizers [--steps N] [--out PATH] [--small]
 
@@ -23,7 +23,7 @@ def compare(steps: int, out_dir: str, **overrides) -> list[dict]:
     """Trains the tiny preset (with ``overrides``) once per optimizer; one row each."""
     rows = []
     base = dataclasses.replace(tiny(), **overrides)
-    for name in ("adamw", "muon"):
+    for name in ("adamw", "muon", "soap"):
         cfg = dataclasses.replace(base, steps=steps, eval_every=steps, progress=False,
                                   out_dir=out_dir, name=f"compare-{name}", optim=name)
         summary = train(cfg, plan_run(cfg))

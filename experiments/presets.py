@@ -4,7 +4,8 @@ Presets are plain functions returning a TrainConfig; any field can then be
 overridden on the command line.
 """
 
-from jmegatron.models import GPTConfig
+from jmegatron.models import GPTConfig, MoEConfig
+from jmegatron.sharding import MeshConfig
 from jmegatron.train import ScheduleConfig, TrainConfig
 
 
@@ -33,4 +34,16 @@ def bench() -> TrainConfig:
         sample_tokens=16, progress=False)
 
 
-PRESETS = {"tiny": tiny, "gpt2-small": gpt2_small, "bench": bench}
+def qwen3_moe_tiny() -> TrainConfig:
+    """A small Qwen3-MoE style model (QK-norm; 8 experts, top-2, every second layer MoE)
+    with data x expert parallelism (the expert axis takes the devices data leaves)."""
+    return TrainConfig(
+        model=GPTConfig(d_model=128, n_layers=4, n_heads=4, n_kv_heads=2, d_ff=384,
+                        qk_norm=True, moe=MoEConfig(n_experts=8, top_k=2, d_ff=128, every=2)),
+        mesh=MeshConfig(data=2, fsdp=1, expert=-1, tensor=1),
+        steps=300, batch_size=32, seq_len=128, eval_every=100, lr=3e-3,
+        schedule=ScheduleConfig(warmup_steps=30))
+
+
+PRESETS = {"tiny": tiny, "gpt2-small": gpt2_small, "bench": bench,
+           "qwen3-moe-tiny": qwen3_moe_tiny}

@@ -1,7 +1,8 @@
 """Train a GPT: `python -m experiments.train [--preset NAME] [--field value ...]`.
 
 With no arguments it trains the `tiny` preset on the Python standard library's
-own sources, on 8 virtual CPU devices when no accelerator is present.
+own sources, on 8 virtual CPU devices when no accelerator is present. With
+`--dist.*` flags it is one of several processes (hosts) on one global mesh.
 """
 
 from __future__ import annotations
@@ -36,12 +37,21 @@ def main(argv: list[str] | None = None) -> dict:
     cfg = parse(sys.argv[1:] if argv is None else argv)
     # Before any JAX operation starts a backend (importing jax does not).
     jax.config.update("jax_num_cpu_devices", cfg.cpu_devices)
-    from jmegatron.train import plan_run, train
+    from jmegatron.train import distributed, plan_run, train
+    from jmegatron.train.checkpoint import CheckpointError
     try:
-        plan = plan_run(cfg)   # every check of mesh, corpus and model; nothing compiled yet
-    except ValueError as err:
+        distributed.initialize(cfg.dist)   # several processes: before anything touches a device
+    except distributed.DistError as err:
         sys.exit(f"error: {err}")
-    return train(cfg, plan)
+    with distributed.fail_fast(cfg.dist.heartbeat_timeout):   # no-op for one process
+        try:
+            plan = plan_run(cfg)   # every check of mesh, corpus and model; nothing compiled yet
+        except ValueError as err:
+            sys.exit(f"error: {err}")
+        try:
+            return train(cfg, plan)
+        except CheckpointError as err:   # a checkpoint that does not fit: one line, no trace
+            sys.exit(f"error: {err}")
 
 
 if __name__ == "__main__":

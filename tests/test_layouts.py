@@ -11,6 +11,7 @@ import optax
 import pytest
 from flax import nnx
 
+import helpers
 from jmegatron.models import GPT, GPTConfig
 from jmegatron.models.gpt import ungroup
 from jmegatron.sharding import DEFAULT_RULES, MeshConfig, hlo_collectives, make_mesh
@@ -36,14 +37,10 @@ def batches():
 
 
 def build(mesh, layout_name, model=MODEL, train=TRAIN):
-    layout = make_layout(layout_name, mesh.shape)
-    cfg = dataclasses.replace(model, layer_group=layout.layer_group)
-    make_model = lambda: GPT(cfg, nnx.Rngs(0))
-    abstract = nnx.split(nnx.eval_shape(make_model))[1]
-    optimizer = make_optimizer(train, abstract, mesh, layout)
-    graphdef, state = create_train_state(make_model, optimizer.tx, mesh, layout.rules,
-                                         optimizer.placed)
-    return layout, optimizer, graphdef, state
+    return helpers.build(mesh, layout_name, model, train)
+
+
+SOAP = dataclasses.replace(TRAIN, optim="soap")
 
 
 def train_three_steps(mesh, layout_name, microbatches=1, tp_mode="auto"):
@@ -87,9 +84,9 @@ def fsdp8():
     return make_mesh(MeshConfig(fsdp=8))
 
 
-def optimizer_step(mesh, layout_name):
+def optimizer_step(mesh, layout_name, train=TRAIN):
     """The optimizer step alone (no clipping: its norm is a global reduction)."""
-    layout, optimizer, _, state = build(mesh, layout_name, WIDE)
+    layout, optimizer, _, state = build(mesh, layout_name, WIDE, train)
     grads = jax.tree.map(jnp.ones_like, state.params)
 
     def step(params, grads, opt_state):
@@ -104,8 +101,9 @@ def muon_bytes(params) -> int:
                + jax.tree.leaves(params["blocks"]["mlp"]))
 
 
-def test_owner_optimizer_step_has_no_collective(fsdp8):
-    _, report = optimizer_step(fsdp8, "owner")
+@pytest.mark.parametrize("train", [TRAIN, SOAP], ids=["muon", "soap"])
+def test_owner_optimizer_step_has_no_collective(fsdp8, train):
+    _, report = optimizer_step(fsdp8, "owner", train)
     assert report.collectives == (), report.table()
 
 

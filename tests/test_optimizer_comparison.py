@@ -1,14 +1,15 @@
-"""Muon against AdamW on the tiny preset, shortened to fit the suite.
+"""Muon and SOAP against AdamW on the tiny preset, shortened to fit the suite.
 
 The full 300-step comparison is `python -m experiments.compare_optimizers`
 (its table is in the README); this run keeps the model and optimizers and
-cuts steps, batch and sequence length (about 35 s on 2 cores).
+cuts steps, batch and sequence length (about 50 s on 2 cores).
 """
 
 from experiments.compare_optimizers import compare
 
 
-def test_muon_reaches_a_lower_validation_loss_than_adamw(tmp_path):
-    adamw, muon = compare(steps=60, out_dir=str(tmp_path), seq_len=64, batch_size=16,
-                          eval_batches=2, sample_tokens=8)
+def test_muon_and_soap_reach_a_lower_validation_loss_than_adamw(tmp_path):
+    adamw, muon, soap = compare(steps=60, out_dir=str(tmp_path), seq_len=64, batch_size=16,
+                                eval_batches=2, sample_tokens=8)
     assert muon["val_loss"] < adamw["val_loss"] - 0.03, (muon, adamw)
+    assert soap["val_loss"] < adamw["val_loss"] - 0.03, (soap, adamw)

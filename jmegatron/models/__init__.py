@@ -1,13 +1,15 @@
 """Flax NNX Transformer models, their sharded creation and losses."""
 
-from jmegatron.models.config import GPTConfig
+from jmegatron.models.config import GPTConfig, MoEConfig
 from jmegatron.models.gpt import GPT
 from jmegatron.models.loss import (TokenLoss, cross_entropy, dense_token_loss,
                                    vocab_parallel_token_loss)
+from jmegatron.models.moe import MoE, MoEBlock, balance_expert_bias, moe_losses
 from jmegatron.models.sharded import create_sharded, state_shardings, validate_sharding
 
 __all__ = [
-    "GPTConfig", "GPT", "cross_entropy", "dense_token_loss", "vocab_parallel_token_loss",
+    "GPTConfig", "MoEConfig", "GPT", "cross_entropy", "dense_token_loss",
+    "vocab_parallel_token_loss", "MoE", "MoEBlock", "moe_losses", "balance_expert_bias",
     "TokenLoss", "create_sharded", "state_shardings",
     "validate_sharding",
 ]

@@ -3,9 +3,56 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Literal
 
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEConfig:
+    """Mixture-of-experts MLPs (Qwen3-MoE style); ``n_experts=0`` keeps every layer dense."""
+
+    n_experts: int = 0
+    """Routed experts E per MoE layer (0: a dense model)."""
+    top_k: int = 2
+    """Experts each token is routed to (k)."""
+    d_ff: int = 128
+    """Hidden width of each expert's SwiGLU."""
+    shared_d_ff: int = 0
+    """Hidden width of a shared expert every token passes through (0: none)."""
+    first_dense: int = 0
+    """The first this many layers stay dense (DeepSeek's first_k_dense_replace)."""
+    every: int = 1
+    """Then every this-many-th layer is MoE, the rest dense (Qwen3's decoder_sparse_step)."""
+    scoring: Literal["softmax", "sigmoid"] = "softmax"
+    """Router scores: softmax over experts (Qwen3) or per-expert sigmoid (DeepSeek-V3)."""
+    normalize_top_k: bool = True
+    """Rescale the k chosen scores to sum to 1 (Qwen3's norm_topk_prob)."""
+    bias_rate: float = 0.0
+    """Auxiliary-loss-free balancing (DeepSeek-V3): a per-expert bias added to the scores for
+    the choice only, moved by this much per step against each expert's load error (0: off)."""
+    dispatch: Literal["dropless", "capacity"] = "dropless"
+    """dropless: every routed token is computed (sort by expert, grouped matmul); capacity:
+    each expert takes at most capacity_factor * tokens * k / E per device, the rest is dropped."""
+    capacity_factor: float = 1.25
+    """Slots per expert relative to a perfectly even load (capacity dispatch)."""
+    exchange: Literal["padded", "ragged"] = "padded"
+    """Token exchange between expert ranks: padded all_to_all (runs everywhere) or
+    ragged_all_to_all (moves only real tokens; GPU/TPU only, XLA:CPU cannot run it)."""
+    aux_loss: float = 0.01
+    """Weight of the load-balancing loss E * sum_i f_i P_i (Switch; 1 when balanced)."""
+    z_loss: float = 0.001
+    """Weight of the router z-loss mean(logsumexp(router logits)^2) (ST-MoE)."""
+
+    def __post_init__(self):
+        if self.n_experts < 0 or (self.n_experts and not 1 <= self.top_k <= self.n_experts):
+            raise ValueError(f"moe.top_k={self.top_k} must be in [1, n_experts="
+                             f"{self.n_experts}]")
+        if self.every < 1 or self.first_dense < 0 or self.capacity_factor <= 0:
+            raise ValueError(f"moe.every={self.every} must be >= 1, moe.first_dense="
+                             f"{self.first_dense} >= 0, moe.capacity_factor="
+                             f"{self.capacity_factor} > 0")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,6 +90,8 @@ class GPTConfig:
     """Set by `pad_vocab` from vocab_multiple and the tensor size; leave unset."""
     layer_group: int = 1
     """Stack block weights as [L/g, g, ...] (set by the owner layout to the fsdp size)."""
+    moe: MoEConfig = MoEConfig()
+    """Mixture-of-experts layers (none by default)."""
 
     def __post_init__(self):
         if self.remat not in REMAT_POLICIES:
@@ -59,6 +108,12 @@ class GPTConfig:
             raise ValueError(f"n_layers={self.n_layers} is not divisible by layer_group="
                              f"{self.layer_group} (the owner layout groups one layer per fsdp "
                              "rank; use another layout or an fsdp size dividing n_layers)")
+        if self.moe.n_experts and self.layer_group > 1:
+            raise ValueError("MoE layers do not support the owner layout (layer_group="
+                             f"{self.layer_group}); use the fsdp, replicated or layerwise layout")
+        if self.moe.n_experts and not any(self.moe_layers):
+            raise ValueError(f"moe.first_dense={self.moe.first_dense} and moe.every="
+                             f"{self.moe.every} leave no MoE layer among {self.n_layers}")
         if self.vocab < self.vocab_size:
             raise ValueError(f"padded_vocab_size={self.padded_vocab_size} < "
                              f"vocab_size={self.vocab_size}")
@@ -77,6 +132,13 @@ class GPTConfig:
         """Query heads per key/value head (G = N / K)."""
         return self.n_heads // self.n_kv_heads
 
+    @property
+    def moe_layers(self) -> tuple[bool, ...]:
+        """Per layer: True where the MLP is a mixture of experts."""
+        m = self.moe
+        return tuple(bool(m.n_experts) and i >= m.first_dense
+                     and (i - m.first_dense + 1) % m.every == 0 for i in range(self.n_layers))
+
     def pad_vocab(self, tensor: int = 1) -> "GPTConfig":
         """Pads the vocabulary to a multiple of ``vocab_multiple * tensor`` (Megatron)."""
         multiple = self.vocab_multiple * tensor
@@ -85,27 +147,40 @@ class GPTConfig:
 
     def logical_dims(self) -> dict[str, int]:
         """Size of each logical parameter axis (for divisibility checks)."""
-        return {"layer_groups": self.n_layers // self.layer_group, "layers": self.layer_group,
-                "embed": self.d_model, "mlp": self.d_ff,
+        m = self.moe
+        # Every MLP width is split over the same axes; their gcd divides exactly when all do.
+        widths = ([self.d_ff] if not all(self.moe_layers) else []) + (
+            [m.d_ff] + ([m.shared_d_ff] if m.shared_d_ff else []) if m.n_experts else [])
+        dims = {"layer_groups": self.n_layers // self.layer_group, "layers": self.layer_group,
+                "embed": self.d_model, "mlp": math.gcd(*widths),
                 "heads": self.n_heads, "kv_heads": self.n_kv_heads,
                 "head_dim": self.resolved_head_dim, "vocab": self.vocab}
+        return {**dims, "experts": m.n_experts} if m.n_experts else dims
 
     def param_count(self) -> int:
         """Number of parameters (the padded vocabulary included)."""
         d, f, h = self.d_model, self.d_ff, self.resolved_head_dim
         qkv = d * (self.n_heads + 2 * self.n_kv_heads) * h
-        block = qkv + self.n_heads * h * d + 3 * d * f + 2 * d + (2 * h if self.qk_norm else 0)
+        block = qkv + self.n_heads * h * d + 2 * d + (2 * h if self.qk_norm else 0)
+        m = self.moe
+        moe_mlp = (m.n_experts * 3 * d * m.d_ff + d * m.n_experts + 3 * d * m.shared_d_ff
+                   + (m.n_experts if m.bias_rate else 0))
+        mlps = sum(moe_mlp if moe else 3 * d * f for moe in self.moe_layers)
         head = 0 if self.tie_embeddings else d * self.vocab
-        return self.vocab * d + self.n_layers * block + d + head
+        return self.vocab * d + self.n_layers * block + mlps + d + head
 
     def flops_per_token(self, seq_len: int) -> int:
         """Training FLOPs per token (forward + backward = 3x forward matmuls).
 
         Counts the matmuls of the projections, the attention scores and values
-        (causal half not subtracted, as PaLM's MFU counts it), and the head.
+        (causal half not subtracted, as PaLM's MFU counts it), and the head; an
+        MoE layer counts its router and the k experts a token is routed to.
         """
         d, f, h, n = self.d_model, self.d_ff, self.resolved_head_dim, self.n_heads
-        proj = d * (n + 2 * self.n_kv_heads) * h + n * h * d + 3 * d * f
+        m = self.moe
+        proj = d * (n + 2 * self.n_kv_heads) * h + n * h * d
         attn = 2 * n * h * seq_len
-        forward = 2 * (self.n_layers * (proj + attn) + d * self.vocab)
+        moe_mlp = 3 * d * (m.top_k * m.d_ff + m.shared_d_ff) + d * m.n_experts
+        mlps = sum(moe_mlp if moe else 3 * d * f for moe in self.moe_layers)
+        forward = 2 * (self.n_layers * (proj + attn) + mlps + d * self.vocab)
         return 3 * forward

@@ -1,12 +1,13 @@
-"""Matrix optimizers (Muon), Newton-Schulz and parameter routing, as optax transformations."""
+"""Matrix optimizers (Muon, SOAP), Newton-Schulz and parameter routing, as optax transformations."""
 
 from jmegatron.optim.coefficients import COEFFICIENT_SETS, CoefficientSet, coefficient_set
 from jmegatron.optim.muon import (MOONLIGHT_RMS, MuonState, muon, muon_flops, scale_by_muon,
                                   update_scale)
 from jmegatron.optim.newton_schulz import newton_schulz, ns_flops
 from jmegatron.optim.routing import (ADAMW, MATRIX, LeafRoute, MatrixSpec, Piece, Route, Routing,
-                                     describe, labels, leaf_routes, map_matrices, matrix_pieces,
-                                     route)
+                                     describe, from_matrices, labels, leaf_routes, map_matrices,
+                                     matrix_pieces, route, to_matrices)
+from jmegatron.optim.soap import Factors, SoapState, scale_by_soap, soap, soap_flops
 from jmegatron.optim.tensor_parallel import (TP_MODES, TensorParallel, TPCostModel,
                                              tp_newton_schulz)
 
@@ -14,7 +15,8 @@ __all__ = [
     "COEFFICIENT_SETS", "CoefficientSet", "coefficient_set",
     "newton_schulz", "ns_flops",
     "MuonState", "scale_by_muon", "muon", "muon_flops", "update_scale", "MOONLIGHT_RMS",
+    "SoapState", "Factors", "scale_by_soap", "soap", "soap_flops",
     "Routing", "Route", "MatrixSpec", "Piece", "route", "labels", "leaf_routes", "describe",
-    "map_matrices", "matrix_pieces", "ADAMW", "MATRIX", "LeafRoute",
+    "map_matrices", "to_matrices", "from_matrices", "matrix_pieces", "ADAMW", "MATRIX", "LeafRoute",
     "TP_MODES", "TensorParallel", "TPCostModel", "tp_newton_schulz",
 ]

@@ -11,11 +11,11 @@ import optax
 
 from jmegatron.optim.coefficients import CoefficientSet, coefficient_set
 from jmegatron.optim.newton_schulz import newton_schulz, ns_flops
-from jmegatron.optim.routing import (ADAMW, MATRIX, LeafRoute, Routing, labels, leaf_routes,
-                                     map_matrices, matrix_pieces)
-from jmegatron.optim.placement import Placement, constrain_to, place_all
+from jmegatron.optim.placement import Placement, constrain_to, matrix_placements
+from jmegatron.optim.routing import (LeafRoute, Routing, map_matrices, matrix_leaf_routes,
+                                     matrix_pieces, with_adamw)
 from jmegatron.optim.tensor_parallel import TensorParallel, TPMode, tp_newton_schulz
-from jmegatron.sharding.layouts import Layout, make_layout
+from jmegatron.sharding.layouts import Layout
 from jmegatron.sharding.rules import DEFAULT_RULES, Rules
 
 ScaleMode = Literal["spectral", "shape", "unit_rms", "none"]
@@ -68,7 +68,8 @@ def scale_by_muon(*, coefficients: str | CoefficientSet | tuple = "quintic",
                   rms_factor: float | None = None, matmul_dtype=jnp.float32,
                   routing: Routing = Routing(), tp_mode: TPMode = "auto",
                   mesh: jax.sharding.Mesh | None = None, layout: Layout | str | None = None,
-                  rules: Rules = DEFAULT_RULES) -> optax.GradientTransformation:
+                  rules: Rules = DEFAULT_RULES, syrk: bool | str = False
+                  ) -> optax.GradientTransformation:
     """Muon's direction: momentum, Newton-Schulz orthogonalization, shape scale.
 
     Every leaf it sees must be a matrix (or a stack of them) under ``routing``;
@@ -83,7 +84,8 @@ def scale_by_muon(*, coefficients: str | CoefficientSet | tuple = "quintic",
     and which device orthogonalizes it (see ``jmegatron.optim.placement``);
     matrices split over the tensor axis use ``tp_mode`` (duplicated,
     distributed, blockwise, or auto per matrix; see
-    ``jmegatron.optim.tensor_parallel``).
+    ``jmegatron.optim.tensor_parallel``). ``syrk`` runs Newton-Schulz's symmetric
+    products on the SYRK kernel (see ``newton_schulz``), in every mode.
 
     References:
       Jordan et al., "Muon: An optimizer for hidden layers in neural
@@ -93,14 +95,10 @@ def scale_by_muon(*, coefficients: str | CoefficientSet | tuple = "quintic",
         arXiv:2409.20325, 2024.
     """
     tp = None if mesh is None else TensorParallel(mesh, tp_mode)
-    lay = None if mesh is None else resolve_layout(layout, mesh, rules)
-    ns = dict(steps=steps, coefficients=coefficients, matmul_dtype=matmul_dtype)
+    ns = dict(steps=steps, coefficients=coefficients, matmul_dtype=matmul_dtype, syrk=syrk)
     n_steps = coefficient_set(coefficients).default_steps if steps is None else steps
     aol = coefficient_set(coefficients).normalization == "aol"
     memo: dict = {}   # routes seen with logical axes, for updates that arrive without
-
-    def placements(leaves: list[LeafRoute]) -> list[Placement | None]:
-        return [None] * len(leaves) if lay is None else place_all(leaves, lay)
 
     def orthogonalize(u: jax.Array, leaf: LeafRoute, where: Placement | None) -> jax.Array:
         side = None if where is None else tp.side(leaf.route.spec, where.state)
@@ -119,10 +117,10 @@ def scale_by_muon(*, coefficients: str | CoefficientSet | tuple = "quintic",
         return map_matrices(block, u, leaf.route.spec)
 
     def init_fn(params):
-        leaves = _matrix_routes(params, routing, memo)   # fails early on a non-matrix leaf
+        leaves = matrix_leaf_routes(params, routing, memo, "scale_by_muon")  # fails early
         flat, treedef = jax.tree.flatten(params)
         moms = []
-        for x, where in zip(flat, placements(leaves)):
+        for x, where in zip(flat, matrix_placements(leaves, mesh, layout, rules)):
             zeros = jnp.zeros_like(x, dtype=momentum_dtype or x.dtype)  # keeps x's sharding
             moms.append(zeros if where is None else
                         constrain_to(where.pad(zeros), mesh, where.state))
@@ -130,12 +128,13 @@ def scale_by_muon(*, coefficients: str | CoefficientSet | tuple = "quintic",
 
     def update_fn(updates, state, params=None):
         del params
-        leaves = _matrix_routes(updates, routing, memo)
+        leaves = matrix_leaf_routes(updates, routing, memo, "scale_by_muon")
         count = optax.safe_increment(state.count)
         flat, treedef = jax.tree.flatten(updates)
         moms = treedef.flatten_up_to(state.momentum)
         new_updates, new_moms = [], []
-        for g, m, leaf, where in zip(flat, moms, leaves, placements(leaves)):
+        for g, m, leaf, where in zip(flat, moms, leaves,
+                                          matrix_placements(leaves, mesh, layout, rules)):
             g32 = g.astype(jnp.float32)
             if where is not None:   # gradients reach the owners of their matrices
                 g32 = constrain_to(where.pad(g32), mesh, where.state)
@@ -152,23 +151,6 @@ def scale_by_muon(*, coefficients: str | CoefficientSet | tuple = "quintic",
     return optax.GradientTransformation(init_fn, update_fn)
 
 
-def resolve_layout(layout: Layout | str | None, mesh: jax.sharding.Mesh, rules: Rules) -> Layout:
-    """A Layout, by name (built on ``rules`` for ``mesh``) or as given; default fsdp."""
-    if isinstance(layout, Layout):
-        return layout
-    return make_layout(layout or "fsdp", mesh.shape, rules)
-
-
-def _matrix_routes(tree, routing: Routing, memo: dict) -> list[LeafRoute]:
-    """The LeafRoute of every leaf; each must be a matrix."""
-    leaves = leaf_routes(tree, routing, memo)
-    for leaf in leaves:
-        if leaf.route.kind != MATRIX:
-            raise ValueError(f"scale_by_muon got {leaf.path}, which routing sends to AdamW "
-                             f"({leaf.route.rule}); use jmegatron.optim.muon to split the tree")
-    return leaves
-
-
 def muon(learning_rate: optax.ScalarOrSchedule, *,
          coefficients: str | CoefficientSet | tuple = "quintic", steps: int | None = None,
          beta: float = 0.95, nesterov: bool = True, momentum: Literal["ema", "sum"] = "ema",
@@ -176,7 +158,7 @@ def muon(learning_rate: optax.ScalarOrSchedule, *,
          rms_factor: float | None = None, weight_decay: float = 0.0,
          matmul_dtype=jnp.float32, routing: Routing = Routing(), tp_mode: TPMode = "auto",
          mesh: jax.sharding.Mesh | None = None, layout: Layout | str | None = None,
-         rules: Rules = DEFAULT_RULES,
+         rules: Rules = DEFAULT_RULES, syrk: bool | str = False,
          adam_learning_rate: optax.ScalarOrSchedule | None = None, adam_b1: float = 0.9,
          adam_b2: float = 0.95, adam_eps: float = 1e-8, adam_weight_decay: float = 0.0,
          adam_weight_decay_mask=None) -> optax.GradientTransformation:
@@ -198,20 +180,18 @@ def muon(learning_rate: optax.ScalarOrSchedule, *,
                       momentum=momentum, bias_correction=bias_correction,
                       momentum_dtype=momentum_dtype, scale=scale, rms_factor=rms_factor,
                       matmul_dtype=matmul_dtype, routing=routing, tp_mode=tp_mode,
-                      mesh=mesh, layout=layout, rules=rules),
+                      mesh=mesh, layout=layout, rules=rules, syrk=syrk),
         optax.add_decayed_weights(weight_decay),
         optax.scale_by_learning_rate(learning_rate))
-    adam = optax.adamw(learning_rate if adam_learning_rate is None else adam_learning_rate,
-                       b1=adam_b1, b2=adam_b2, eps=adam_eps, weight_decay=adam_weight_decay,
-                       mask=adam_weight_decay_mask)
-    memo: dict = {}
-    return optax.partition({"muon": matrix, ADAMW: adam},
-                           lambda params: labels(params, routing, "muon", memo))
+    return with_adamw("muon", matrix, routing, learning_rate if adam_learning_rate is None
+                      else adam_learning_rate, adam_b1, adam_b2, adam_eps, adam_weight_decay,
+                      adam_weight_decay_mask)
 
 
 def muon_flops(params, routing: Routing = Routing(), steps: int | None = None,
                coefficients: str | CoefficientSet | tuple = "quintic", syrk: bool = False) -> int:
-    """Newton-Schulz FLOPs of one Muon step on ``params``."""
+    """Newton-Schulz FLOPs of one Muon step on ``params`` (``syrk``: counted from
+    the SYRK kernel's tiles, see ``ns_flops``)."""
     n = coefficient_set(coefficients).default_steps if steps is None else steps
     return sum(p.count * ns_flops(p.fan_in, p.fan_out, n, syrk)
                for p in matrix_pieces(params, routing))

@@ -20,8 +20,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jmegatron.optim.owners import assign, load_report, ns_cost, rank_loads
 from jmegatron.optim.routing import MATRIX, LeafRoute, batch_axes
-from jmegatron.sharding.layouts import Layout
-from jmegatron.sharding.rules import LAYER_GROUPS
+from jmegatron.sharding.layouts import Layout, make_layout
+from jmegatron.sharding.rules import DEFAULT_RULES, LAYER_GROUPS, Rules
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,6 +36,17 @@ class Placement:
     padded: int               # stack length with padding (layerwise)
     owners: int               # ranks the state's stack is split over (layerwise)
     offset: int = 0           # matrices of earlier stacks, mod owners (layerwise)
+    grouped: bool = False     # stacked [L/g, g, ...] (owner layout)
+
+    @property
+    def blocks(self) -> P:
+        """Sharding of per-matrix state [*stack, k, k] (SOAP's factors): the
+        stack split like ``state``, each matrix whole."""
+        return P(*self.stack, None, None)
+
+    def for_blocks(self) -> "Placement":
+        """This placement for per-matrix state, whose stack axis leads."""
+        return dataclasses.replace(self, param=self.blocks, state=self.blocks, stack_axis=0)
 
     def pad(self, x: jax.Array) -> jax.Array:
         """The stack padded and reordered for round-robin ownership that continues
@@ -75,7 +86,8 @@ def place(leaf: LeafRoute, layout: Layout, offset: int = 0) -> Placement:
     offset %= owners
     padded = -(-(length + offset) // owners) * owners
     return Placement(_full(layout.param_spec(logical), len(leaf.shape)), state,
-                     tuple(state[a] for a in batch), stack_axis, length, padded, owners, offset)
+                     tuple(state[a] for a in batch), stack_axis, length, padded, owners, offset,
+                     logical[0] == LAYER_GROUPS)
 
 
 def place_all(leaves: list[LeafRoute], layout: Layout) -> list[Placement | None]:
@@ -89,6 +101,22 @@ def place_all(leaves: list[LeafRoute], layout: Layout) -> list[Placement | None]
         out.append(place(leaf, layout, seen))
         seen += out[-1].length
     return out
+
+
+def resolve_layout(layout: Layout | str | None, mesh: jax.sharding.Mesh,
+                   rules: Rules = DEFAULT_RULES) -> Layout:
+    """A Layout, by name (built on ``rules`` for ``mesh``) or as given; default fsdp."""
+    if isinstance(layout, Layout):
+        return layout
+    return make_layout(layout or "fsdp", mesh.shape, rules)
+
+
+def matrix_placements(leaves: list[LeafRoute], mesh: jax.sharding.Mesh | None,
+                      layout: Layout | str | None, rules: Rules) -> list[Placement | None]:
+    """``place_all`` under the resolved layout; all None without a mesh."""
+    if mesh is None:
+        return [None] * len(leaves)
+    return place_all(leaves, resolve_layout(layout, mesh, rules))
 
 
 def ownership_report(leaves: list[LeafRoute], layout: Layout) -> str:

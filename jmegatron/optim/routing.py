@@ -17,6 +17,7 @@ from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import optax
 
 from jmegatron.sharding import rules as ax
 from jmegatron.sharding.rules import DEFAULT_RULES, logical_axes_of
@@ -72,23 +73,42 @@ class MatrixSpec:
         return out
 
 
-def map_matrices(fn: Callable[[jax.Array, int, int], jax.Array], x: jax.Array,
-                 spec: MatrixSpec) -> jax.Array:
-    """Applies ``fn(stack [*batch, fan_in, fan_out], fan_in, fan_out)`` to every block.
+def to_matrices(x: jax.Array, spec: MatrixSpec) -> list[jax.Array]:
+    """The blocks of ``x`` as stacks [*batch, fan_in, fan_out].
 
     The batch dims keep their order (``batch_axes``) and are not merged, so a
     batch dim split over devices stays split the same way.
     """
-    batch = batch_axes(spec, x.ndim)
-    order = batch + spec.in_axes + spec.out_axes
-    outs = []
+    order = batch_axes(spec, x.ndim) + spec.in_axes + spec.out_axes
+    stacks = []
     for part in spec.parts(x):
         moved = part.transpose(order)
         fan_in = math.prod(part.shape[a] for a in spec.in_axes)
         fan_out = math.prod(part.shape[a] for a in spec.out_axes)
-        stack = moved.reshape(moved.shape[:len(batch)] + (fan_in, fan_out))
-        outs.append(fn(stack, fan_in, fan_out).reshape(moved.shape).transpose(_inverse(order)))
+        n_batch = x.ndim - len(spec.in_axes) - len(spec.out_axes)
+        stacks.append(moved.reshape(moved.shape[:n_batch] + (fan_in, fan_out)))
+    return stacks
+
+
+def from_matrices(stacks: list[jax.Array], spec: MatrixSpec, shape: tuple[int, ...]) -> jax.Array:
+    """Inverse of ``to_matrices``: the leaf of ``shape`` the blocks came from."""
+    order = batch_axes(spec, len(shape)) + spec.in_axes + spec.out_axes
+    sizes = spec.split_sizes or (None,)
+    outs = []
+    for stack, size in zip(stacks, sizes):
+        part = list(shape)
+        if size is not None:
+            part[spec.split_axis] = size
+        moved = stack.reshape([part[a] for a in order])
+        outs.append(moved.transpose(_inverse(order)))
     return outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=spec.split_axis)
+
+
+def map_matrices(fn: Callable[[jax.Array, int, int], jax.Array], x: jax.Array,
+                 spec: MatrixSpec) -> jax.Array:
+    """Applies ``fn(stack [*batch, fan_in, fan_out], fan_in, fan_out)`` to every block."""
+    outs = [fn(stack, *stack.shape[-2:]) for stack in to_matrices(x, spec)]
+    return from_matrices(outs, spec, x.shape)
 
 
 def batch_axes(spec: MatrixSpec, ndim: int) -> tuple[int, ...]:
@@ -132,7 +152,7 @@ class Routing:
             decision = self.custom(path, shape, logical)
             if decision is not None:
                 return decision
-        for rule in (_vector, _router, _logical, _by_name_and_shape):
+        for rule in (_vector, _router, _logical, _stacked_vectors, _by_name_and_shape):
             decision = rule(self, path, shape, logical)
             if decision is not None:
                 return decision
@@ -171,6 +191,13 @@ def _logical(opts, path, shape, logical) -> Route | None:
     split = _split(logical, shape) if opts.split_qkv else None
     spec = MatrixSpec(in_axes, out_axes, *split) if split else MatrixSpec(in_axes, out_axes)
     return Route(MATRIX, "hidden matrix (logical axes)", spec)
+
+
+def _stacked_vectors(opts, path, shape, logical) -> Route | None:
+    """jmegatron params that are vectors stacked over layers (an MoE expert bias [L, E])."""
+    if logical is None or sum(a not in (ax.LAYER_GROUPS, ax.LAYERS) for a in logical) > 1:
+        return None
+    return Route(ADAMW, "stacked vectors")
 
 
 def _split(logical, shape):
@@ -232,6 +259,30 @@ def leaf_routes(tree, routing: Routing = Routing(),
             memo[name] = leaf
         out.append(leaf)
     return out
+
+
+def matrix_leaf_routes(tree, routing: Routing, memo: dict, who: str) -> list[LeafRoute]:
+    """The LeafRoute of every leaf of a tree given to matrix optimizer ``who``;
+    each must be a matrix."""
+    leaves = leaf_routes(tree, routing, memo)
+    for leaf in leaves:
+        if leaf.route.kind != MATRIX:
+            raise ValueError(f"{who} got {leaf.path}, which routing sends to AdamW "
+                             f"({leaf.route.rule}); combine it with AdamW (jmegatron.optim.muon "
+                             f"or soap) to split the tree")
+    return leaves
+
+
+def with_adamw(name: str, matrix: optax.GradientTransformation, routing: Routing,
+               learning_rate: optax.ScalarOrSchedule, b1: float, b2: float, eps: float,
+               weight_decay: float, weight_decay_mask) -> optax.GradientTransformation:
+    """``matrix`` (labelled ``name``) for the leaves ``routing`` calls matrices,
+    AdamW for the others."""
+    adam = optax.adamw(learning_rate, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay,
+                       mask=weight_decay_mask)
+    memo: dict = {}
+    return optax.partition({name: matrix, ADAMW: adam},
+                           lambda params: labels(params, routing, name, memo))
 
 
 def route(params, routing: Routing = Routing(), memo: dict | None = None):

@@ -34,7 +34,8 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from jmegatron.optim.coefficients import coefficient_set
-from jmegatron.optim.newton_schulz import iterate, newton_schulz, ns_flops, resolve_schedule
+from jmegatron.optim.newton_schulz import (iterate, newton_schulz, ns_flops, resolve_schedule,
+                                           syrk_backend)
 from jmegatron.optim.routing import MatrixSpec
 from jmegatron.sharding.rules import spec_axes
 
@@ -49,7 +50,8 @@ class TPCostModel:
     per device. Defaults: an H100-class GPU running fp32 Newton-Schulz on TF32
     tensor cores (~4e14 FLOP/s), NVLink (~4.5e11 B/s per direction), ~10 us
     per collective. With them, latency decides for small matrices (one
-    all-gather beats steps + 1 all-reduces) and FLOPs for large ones."""
+    all-gather beats steps + 1 all-reduces) and FLOPs for large ones. It counts
+    plain Newton-Schulz FLOPs: what the SYRK kernel saves is ignored."""
 
     flops_per_s: float = 4e14
     bytes_per_s: float = 4.5e11
@@ -149,14 +151,16 @@ def tp_note(tp: TensorParallel, leaf_spec_of: Callable, steps: int | None,
 
 def tp_newton_schulz(stack: jax.Array, side: Side | None, mode: str, tp: TensorParallel, *,
                      batch_spec: tuple = (), steps: int | None = None, coefficients="quintic",
-                     matmul_dtype=jnp.float32) -> jax.Array:
+                     matmul_dtype=jnp.float32, syrk: bool | str = False) -> jax.Array:
     """Newton-Schulz of a stack [*batch, m, n] in ``jax.shard_map``: the batch dims
     split as ``batch_spec`` says (each device orthogonalizes its own matrices),
     the matrices split over ``tp.axis`` along ``side`` and handled in ``mode``
     (not "auto"), or whole when ``side`` is None. Any other split of the input
-    (an fsdp-split embed dim) is gathered on the way in."""
+    (an fsdp-split embed dim) is gathered on the way in. ``syrk`` (see
+    ``newton_schulz``) applies in every mode: in distributed, each rank's local
+    Gram is a SYRK before the psum."""
     schedule, normalization = resolve_schedule(coefficients, steps)
-    ns = dict(steps=steps, coefficients=coefficients, matmul_dtype=matmul_dtype)
+    ns = dict(steps=steps, coefficients=coefficients, matmul_dtype=matmul_dtype, syrk=syrk)
     batch_spec = tuple(batch_spec) + (None,) * (stack.ndim - 2 - len(batch_spec))
     row, col = stack.ndim - 2, stack.ndim - 1
     unsplit = stack.shape[col] if side == "in" else stack.shape[row]
@@ -178,7 +182,7 @@ def tp_newton_schulz(stack: jax.Array, side: Side | None, mode: str, tp: TensorP
         cols = jnp.swapaxes(block, row, col) if side == "in" else block   # split side last
         out = iterate(cols, schedule, normalization, matmul_dtype,
                       sum_over_columns=lambda g: lax.psum(g, axis),
-                      max_over_columns=lambda v: lax.pmax(v, axis))
+                      max_over_columns=lambda v: lax.pmax(v, axis), syrk=syrk_backend(syrk))
         return jnp.swapaxes(out, row, col) if side == "in" else out
 
     local = {"duplicated": duplicated, "distributed": distributed,
@@ -189,4 +193,8 @@ def tp_newton_schulz(stack: jax.Array, side: Side | None, mode: str, tp: TensorP
         fn = local[mode]
     else:
         raise ValueError(f"tp_newton_schulz needs an explicit mode, not {mode!r}")
-    return jax.shard_map(fn, mesh=tp.mesh, in_specs=spec, out_specs=spec)(stack)
+    # An interpreted Pallas kernel indexes varying blocks with unvarying program
+    # ids, which shard_map's type check rejects (JAX_NOTES.md): off with SYRK
+    # (also when compiled, where no GPU has yet told us whether it must be).
+    return jax.shard_map(fn, mesh=tp.mesh, in_specs=spec, out_specs=spec,
+                         check_vma=syrk_backend(syrk) in (None, "jnp"))(stack)

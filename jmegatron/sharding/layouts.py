@@ -57,6 +57,12 @@ class Layout:
             return self.param_spec(logical)
         entries = list(logical_to_spec(logical, self.rules))
         entries += [None] * (len(logical) - len(entries))
+        taken = {a for e in entries for a in ((e,) if isinstance(e, str) else e or ())}
+        if taken & set(self.owner_axes):
+            raise ValueError(f"the layerwise layout splits each matrix stack over "
+                             f"{self.owner_axes}, but a stack with axes {logical} already "
+                             f"uses {sorted(taken & set(self.owner_axes))} (MoE experts over "
+                             "`expert`): use the fsdp or replicated layout for MoE models")
         entries[batch_dims[0]] = self.owner_axes or None
         return P(*entries)
 

@@ -68,6 +68,64 @@ class MuonConfig:
     tp_mode: Literal["auto", "duplicated", "distributed", "blockwise"] = "auto"
     """Newton-Schulz of tensor-parallel matrices: exact duplicated or distributed,
     approximate blockwise, or auto (cheapest exact mode per matrix)."""
+    syrk: bool = False
+    """Newton-Schulz's symmetric products (X X^T, A A) on the Pallas SYRK kernel, lower
+    tiles only (GPU; elsewhere the plain jnp products run and FLOPs count as such)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class SoapConfig:
+    """SOAP's options (used with --optim soap); its Adam runs in Shampoo's eigenbasis."""
+
+    b1: float = 0.95
+    b2: float = 0.95
+    shampoo_beta: float | None = None
+    """EMA decay of the Kronecker factors (default: b2)."""
+    eps: float = 1e-8
+    precondition_frequency: int = 10
+    """Refresh the eigenbases (power iteration + QR) every this many steps."""
+    max_precond_dim: int = 10_000
+    """A matrix side longer than this is not preconditioned (one-sided SOAP)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointConfig:
+    """When and how many checkpoints are written."""
+
+    every: int = 0
+    """Save every this many steps (0: only at the end of the run)."""
+    keep: int = 3
+    """Keep the last this many checkpoints."""
+    keep_period: int | None = None
+    """Also keep every checkpoint whose step is a multiple of this."""
+    async_save: bool = True
+    """Write in the background while training continues."""
+
+
+@dataclasses.dataclass(frozen=True)
+class DistConfig:
+    """Several processes (hosts) under jax.distributed: give coordinator, num-processes
+    and process-id on every process, or --dist.auto under SLURM / Open MPI / TPU (automatic
+    for an srun or mpirun of several tasks)."""
+
+    coordinator: str | None = None
+    """HOST:PORT of process 0, where it serves the coordinator (the same on all processes)."""
+    num_processes: int | None = None
+    """Processes in the run (usually one per host)."""
+    process_id: int | None = None
+    """This process's index, 0 .. num_processes-1 (0 hosts the coordinator)."""
+    auto: bool = False
+    """Take what is not given from the environment jax.distributed understands
+    (SLURM, Open MPI, TPU, JAX_COORDINATOR_ADDRESS, JAX_LOCAL_DEVICE_IDS)."""
+    detect: bool = True
+    """Without --dist flags, act as --dist.auto when the environment shows one of several
+    processes (SLURM_NTASKS > 1 under srun, OMPI_COMM_WORLD_SIZE > 1, or
+    JAX_COORDINATOR_ADDRESS set); --dist.no-detect runs a single process regardless."""
+    init_timeout: int = 300
+    """Seconds to wait for the coordinator and every process at start-up, then fail."""
+    heartbeat_timeout: int = 60
+    """Seconds without a heartbeat after which a process counts as dead and the others
+    exit with an error."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,8 +142,8 @@ class TrainConfig:
     layerwise (Megatron: state of each matrix on one data rank), fsdp (ZeRO-3,
     element-wise), owner (MatrixFSDP: each matrix whole on one fsdp rank)."""
     data: DataConfig = DataConfig()
-    optim: Literal["muon", "adamw"] = "muon"
-    """muon: Muon for hidden matrices and AdamW for the rest; adamw: AdamW for all."""
+    optim: Literal["muon", "soap", "adamw"] = "muon"
+    """muon or soap for hidden matrices and AdamW for the rest; adamw: AdamW for all."""
     lr: float = 3e-3
     """Peak learning rate (Muon's updates are scaled to AdamW's RMS, so one rate fits both)."""
     weight_decay: float = 0.1
@@ -95,6 +153,17 @@ class TrainConfig:
     schedule: ScheduleConfig = ScheduleConfig()
     adamw: AdamWConfig = AdamWConfig()
     muon: MuonConfig = MuonConfig()
+    soap: SoapConfig = SoapConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    dist: DistConfig = DistConfig()
+    stop_after: int | None = None
+    """Stop (with a checkpoint) after this step, keeping the schedule of --steps: for jobs
+    with a time limit, continued later with --resume."""
+    resume: bool = False
+    """Continue from the latest checkpoint in this run's folder (out_dir/name)."""
+    resume_from: str | None = None
+    """Start from a checkpoint folder (run/checkpoints) or one step of it (run/checkpoints/200),
+    possibly written on another mesh or layout."""
     steps: int = 300
     """Optimizer steps to take."""
     batch_size: int = 32
@@ -124,7 +193,7 @@ class TrainConfig:
     name: str | None = None
     """Run folder name under out_dir (default: a timestamp)."""
     cpu_devices: int = 8
-    """Virtual devices when running on CPU (set before JAX starts)."""
+    """Virtual devices when running on CPU, per process (set before JAX starts)."""
     progress: bool = True
     """Show a progress bar."""
 

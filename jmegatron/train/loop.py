@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
+import signal
+import threading
 import time
 from pathlib import Path
 
@@ -20,7 +23,9 @@ from jmegatron.models import GPT, GPTConfig, validate_sharding
 from jmegatron.sharding import MeshConfig, Rules, logical_to_spec, make_mesh
 from jmegatron.sharding.layouts import Layout, make_layout
 from jmegatron.sharding import rules as ax
+from jmegatron.train.checkpoint import Checkpointer, CheckpointError, leaf_codecs
 from jmegatron.train.config import TrainConfig
+from jmegatron.train.distributed import AnyProcess, is_main, same_on_all
 from jmegatron.train.metrics import MetricsWriter, jsonable, measure_matmul_rate
 from jmegatron.train.optimizer import make_optimizer
 from jmegatron.train.plots import plot_runs
@@ -56,6 +61,9 @@ class Plan:
 def plan_run(cfg: TrainConfig) -> Plan:
     """Resolves and checks mesh, corpus, model and batch; raises ValueError (or
     DataError) naming the numbers or path, before any compile."""
+    if cfg.resume and not cfg.name:
+        raise ValueError("--resume continues the run folder out_dir/name: give --name "
+                         "(or --resume-from PATH)")
     mesh = fit_mesh(cfg.mesh, jax.device_count(), shrink=cfg.fit_mesh)
     corpus = load_corpus(cfg.data.path, cfg.data.val_fraction)
     for split in ("train", "val"):
@@ -75,7 +83,7 @@ class Trainer:
 
     def __init__(self, cfg: TrainConfig, plan: Plan | None = None, log=print):
         plan = plan or plan_run(cfg)
-        self.cfg, self.log = cfg, log
+        self.cfg, self.log = cfg, log if is_main() else (lambda *args, **kwargs: None)
         self.mesh_cfg, self.model_cfg, self.corpus, self.layout = (
             plan.mesh, plan.model, plan.corpus, plan.layout)
         self.rules = plan.rules
@@ -87,12 +95,46 @@ class Trainer:
         self.optimizer = make_optimizer(cfg, abstract_params, self.mesh, self.layout)
         self.graphdef, self.state = create_train_state(make_model, self.optimizer.tx, self.mesh,
                                                        self.rules, self.optimizer.placed)
+        self.codecs = leaf_codecs(self.state, abstract_params, self.model_cfg,
+                                  self.optimizer.state_placement)
+        name = cfg.name or time.strftime(   # process 0's clock, on every process
+            "%Y%m%d-%H%M%S", time.localtime(same_on_all(int(time.time()))))
+        self.run_dir = Path(cfg.out_dir) / name
+        self.checkpointer = Checkpointer(self.run_dir / "checkpoints", cfg.checkpoint)
+        self.start_step = self._resume() if cfg.resume or cfg.resume_from else 0
         loss_fn = make_loss_fn(self.graphdef, self.model_cfg, self.mesh, self.rules, cfg.z_loss)
         self.train_step = make_train_step(loss_fn, self.optimizer, cfg.microbatches,
                                           self.mesh, self.rules)
         self.eval_step = make_eval_step(loss_fn)
         self.sampler = make_sampler(self.graphdef, self.model_cfg, self.mesh, self.rules,
                                     cfg.top_k)
+
+    def _resume(self) -> int:
+        """Restores the checkpoint ``--resume``/``--resume-from`` names; returns its step."""
+        source, step = self.checkpointer, None
+        if self.cfg.resume_from:
+            path = Path(self.cfg.resume_from)
+            if path.name.isdigit():
+                path, step = path.parent, int(path.name)
+            if not path.is_dir():
+                raise CheckpointError(f"no checkpoint folder at {path}")
+            source = Checkpointer(path, dataclasses.replace(self.cfg.checkpoint,
+                                                            async_save=False))
+        step = source.latest_step() if step is None else step
+        if step is None:
+            raise CheckpointError(f"no complete checkpoint in {source.directory}")
+        target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+                              self.state)
+        self.state, meta = source.restore(step, target, self.codecs, self.model_cfg)
+        self.log(f"resumed from {source.directory / str(step)} (written with layout "
+                 f"{meta.get('layout')}, mesh {meta.get('mesh')})")
+        return int(meta["step"])
+
+    def save(self, step: int) -> None:
+        """Writes a checkpoint of the current state (in the background if configured)."""
+        meta = {"seed": self.cfg.seed, "optim": self.cfg.optim, "layout": self.layout.name,
+                "mesh": self.mesh_cfg.sizes(), "model": dataclasses.asdict(self.model_cfg)}
+        self.checkpointer.save(step, self.state, self.codecs, self.model_cfg, meta)
 
     def batch(self, step: int) -> jax.Array:
         c = self.cfg
@@ -113,12 +155,23 @@ class Trainer:
                             c.seq_len, self.mesh, self.rules, c.seed + step)
 
     def run(self) -> dict:
-        """Trains for ``cfg.steps`` steps and returns the summary."""
+        """Trains up to ``cfg.steps`` steps and returns the summary."""
         run = Run(self)
         try:
-            return run.loop()
-        finally:
+            with stop_on_signals() as stop:
+                summary = run.loop(stop)
+        except BaseException:
             run.close()
+            # With several processes an error here is usually a dead peer: waiting for an
+            # async save (and its cross-process barrier) would hold this process until the
+            # heartbeat ends it. Leave the save unfinished (the last complete checkpoint
+            # stays) so that fail_fast can exit at once. One process waits and closes.
+            if jax.process_count() == 1:
+                self.checkpointer.close()
+            raise
+        run.close()
+        self.checkpointer.close()
+        return summary
 
 
 class Run:
@@ -126,15 +179,20 @@ class Run:
 
     def __init__(self, trainer: Trainer):
         self.t, cfg = trainer, trainer.cfg
-        self.dir = Path(cfg.out_dir) / (cfg.name or time.strftime("%Y%m%d-%H%M%S"))
-        self.dir.mkdir(parents=True, exist_ok=True)
-        self.metrics = MetricsWriter(self.dir)
-        (self.dir / "samples.txt").write_text("")
+        self.dir = trainer.run_dir
+        self.main = is_main()   # process 0 writes every output; the others only compute
+        if self.main:
+            self.dir.mkdir(parents=True, exist_ok=True)
+        resumed_here = cfg.resume and trainer.start_step > 0
+        self.metrics = MetricsWriter(self.dir, append=resumed_here) if self.main else Discard()
+        if self.main and not resumed_here:
+            (self.dir / "samples.txt").write_text("")
         self.entropy = unigram_entropy(trainer.corpus.val)
         self.flops_per_token = trainer.model_cfg.flops_per_token(cfg.seq_len)
         self.optimizer_flops = trainer.optimizer.flops_per_step
         self.peak = measure_matmul_rate(trainer.mesh, trainer.model_cfg.dtype)
-        self._write_config()
+        if self.main:
+            self._write_config()
         self._announce()
 
     def _write_config(self) -> None:
@@ -142,7 +200,8 @@ class Run:
         record = {"config": dataclasses.asdict(t.cfg), "mesh": t.mesh_cfg.sizes(),
                   "padded_vocab": t.model_cfg.vocab, "params": t.model_cfg.param_count(),
                   "optimizer_flops_per_step": t.optimizer.flops_per_step,
-                  "corpus": t.corpus.source, "devices": [str(d) for d in jax.devices()]}
+                  "corpus": t.corpus.source, "devices": [str(d) for d in jax.devices()],
+                  "processes": jax.process_count()}
         (self.dir / "config.json").write_text(json.dumps(record, indent=2))
         (self.dir / "routing.txt").write_text(t.optimizer.routing_table + "\n")
 
@@ -156,24 +215,27 @@ class Run:
         groups = t.optimizer.leaf_groups
         t.log(f"optimizer {t.cfg.optim}, layout {t.layout.name}: " + ", ".join(
             f"{groups.count(g)} leaves {g}" for g in sorted(set(groups))) +
-            f" | Newton-Schulz {self.optimizer_flops / 1e9:.2f} GFLOP/step "
+            f" | {t.cfg.optim} matmuls {self.optimizer_flops / 1e9:.2f} GFLOP/step "
             f"(routing and ownership: {self.dir / 'routing.txt'})")
 
-    def loop(self) -> dict:
+    def loop(self, stop: "StopFlag") -> dict:
         t, cfg = self.t, self.t.cfg
         tokens_per_step = cfg.batch_size * cfg.seq_len
-        bar = tqdm(total=cfg.steps, disable=not cfg.progress, dynamic_ncols=True, desc="train")
+        bar = tqdm(total=cfg.steps, initial=t.start_step,
+                   disable=not (cfg.progress and self.main), dynamic_ncols=True, desc="train")
+        anyone = AnyProcess()   # all processes stop at the same step when one is signalled
         start = time.perf_counter()
-        mark, mark_step, last, eval_loss = start, 0, {}, float("nan")
-        for step in range(cfg.steps):
+        mark, mark_step, last, eval_loss = start, t.start_step, {}, float("nan")
+        for step in range(t.start_step, cfg.steps):
             t.state, metrics = t.train_step(t.state, t.batch(step))
             done = step + 1
-            if done == 1 or done % cfg.log_every == 0 or done == cfg.steps:
+            first = done == t.start_step + 1
+            if first or done % cfg.log_every == 0 or done == cfg.steps:
                 metrics = jax.device_get(metrics)
                 now = time.perf_counter()
                 # Throughput over the interval; the first step (compile) is not timed.
                 dt = (now - mark) / max(done - mark_step, 1)
-                last = self._log_step(done, metrics, dt if done > 1 else float("nan"))
+                last = self._log_step(done, metrics, float("nan") if first else dt)
                 mark, mark_step = now, done
                 bar.set_postfix(loss=f"{last['loss']:.3f}", tok_s=f"{tokens_per_step / dt:,.0f}")
             if done % cfg.eval_every == 0 or done == cfg.steps:
@@ -181,8 +243,26 @@ class Run:
                 # Evaluation time is not training time.
                 mark, mark_step = time.perf_counter(), done
             bar.update(1)
+            signalled = anyone.poll(stop.signal is not None)
+            if signalled or done == cfg.stop_after:
+                bar.close()
+                return self._stopped(done, stop.signal or ("a signal to another process"
+                                                           if signalled else "--stop-after"))
+            if cfg.checkpoint.every and done % cfg.checkpoint.every == 0 and done != cfg.steps:
+                t.save(done)
         bar.close()
+        t.save(cfg.steps)
         return self._summarize(time.perf_counter() - start, last, eval_loss)
+
+    def _stopped(self, step: int, signal_name: str) -> dict:
+        t = self.t
+        t.save(step)
+        t.checkpointer.wait()
+        where = t.checkpointer.directory / str(step)
+        t.log(f"stopped by {signal_name} at step {step}; checkpoint saved in {where} "
+              f"(continue with --resume --name {t.run_dir.name} --out-dir {t.run_dir.parent})")
+        return {"stopped": signal_name, "steps": step, "checkpoint": str(where),
+                "run_dir": str(t.run_dir)}
 
     def _log_step(self, step: int, metrics: dict, step_time: float) -> dict:
         t, cfg = self.t, self.t.cfg
@@ -201,6 +281,8 @@ class Run:
         greedy, top_k = self.t.samples(step)
         self.metrics.write({"step": step, "eval_loss": loss, "eval_ppl": math.exp(loss),
                             "sample_greedy": greedy, "sample_top_k": top_k})
+        if not self.main:
+            return loss
         with (self.dir / "samples.txt").open("a") as f:
             f.write(f"=== step {step} | val loss {loss:.3f}\n--- greedy\n{greedy}\n"
                     f"--- top-{self.t.cfg.top_k}\n{top_k}\n\n")
@@ -218,8 +300,9 @@ class Run:
             "model_flops_per_s": last.get("model_flops_per_s"),
             "optimizer_flops_per_s": last.get("optimizer_flops_per_s"),
             "skipped_steps": int(t.state.skipped), "run_dir": str(self.dir)})
-        (self.dir / "summary.json").write_text(json.dumps(summary, indent=2))
-        plot_runs([self.dir], self.dir / "loss.png")
+        if self.main:
+            (self.dir / "summary.json").write_text(json.dumps(summary, indent=2))
+            plot_runs([self.dir], self.dir / "loss.png")
         f = lambda key, spec, scale=1.0: ("-" if summary[key] is None
                                           else format(summary[key] * scale, spec))
         t.log(f"done: {t.cfg.steps} steps in {seconds:.0f}s | train loss {f('train_loss', '.3f')} "
@@ -233,6 +316,39 @@ class Run:
 
     def close(self) -> None:
         self.metrics.close()
+
+
+class Discard:
+    """The metrics writer of processes other than 0."""
+
+    def write(self, record: dict) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class StopFlag:
+    """Set by SIGTERM or SIGINT; the loop finishes the step, saves and leaves."""
+
+    signal: str | None = None
+
+
+@contextlib.contextmanager
+def stop_on_signals():
+    """Turns SIGTERM and SIGINT into a StopFlag for the duration (main thread only)."""
+    flag = StopFlag()
+    if threading.current_thread() is not threading.main_thread():
+        yield flag
+        return
+    def handler(signum, frame):
+        flag.signal = signal.Signals(signum).name
+    previous = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield flag
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
 
 
 def train(cfg: TrainConfig, plan: Plan | None = None) -> dict:

@@ -14,8 +14,11 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 
 def jsonable(record: dict) -> dict:
-    """Plain floats for numpy/JAX scalars; null for NaN and inf (JSON has neither)."""
+    """Plain floats for numpy/JAX scalars, (nested) lists for arrays (an MoE load
+    per layer and expert); null for NaN and inf (JSON has neither)."""
     def clean(v):
+        if isinstance(v, (np.ndarray, jax.Array)) and np.ndim(v):
+            return [clean(x) for x in np.asarray(v)]
         if isinstance(v, (np.floating, np.integer, np.ndarray, jax.Array)):
             v = v.item()
         if isinstance(v, float) and not math.isfinite(v):
@@ -25,11 +28,12 @@ def jsonable(record: dict) -> dict:
 
 
 class MetricsWriter:
-    """Writes one JSON object per line to ``metrics.jsonl`` (a new run starts it afresh)."""
+    """Writes one JSON object per line to ``metrics.jsonl`` (a new run starts it
+    afresh; a run resumed in its own folder appends)."""
 
-    def __init__(self, run_dir: Path):
+    def __init__(self, run_dir: Path, append: bool = False):
         self.path = Path(run_dir) / "metrics.jsonl"
-        self._file = self.path.open("w")
+        self._file = self.path.open("a" if append else "w")
 
     def write(self, record: dict) -> None:
         self._file.write(json.dumps(jsonable(record)) + "\n")
@@ -52,8 +56,11 @@ def measure_matmul_rate(mesh: jax.sharding.Mesh, dtype: str = "float32", n: int 
     if n is None:
         n = 512 if mesh.devices.flat[0].platform == "cpu" else 8192
     sharding = NamedSharding(mesh, P(mesh.axis_names))
-    a = jax.device_put(jnp.ones((mesh.size * n, n), dtype), sharding)
-    b = jnp.ones((n, n), dtype)
+    # Born sharded (and b replicated) on every device: built on one device first, a
+    # would be mesh.size * n * n elements there (8192^2 x 4 bytes x devices of all hosts).
+    ones = lambda shape, where: jax.jit(lambda: jnp.ones(shape, dtype), out_shardings=where)()
+    a = ones((mesh.size * n, n), sharding)
+    b = ones((n, n), NamedSharding(mesh, P()))
     matmul = jax.jit(lambda a, b: a @ b, out_shardings=sharding)
     matmul(a, b).block_until_ready()
     best = float("inf")

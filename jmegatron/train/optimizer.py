@@ -10,9 +10,11 @@ import optax
 from jax.sharding import NamedSharding
 
 from jmegatron.optim import (ADAMW, MATRIX, Routing, TensorParallel, describe, leaf_routes, muon,
-                             muon_flops)
-from jmegatron.optim.muon import resolve_layout
-from jmegatron.optim.placement import ownership_report, place_all
+                             muon_flops, soap, soap_flops)
+from jmegatron.optim.soap import state_key
+from jmegatron.optim.placement import resolve_layout
+from jmegatron.optim.placement import Placement, ownership_report, place_all
+from jmegatron.optim.newton_schulz import syrk_backend
 from jmegatron.optim.tensor_parallel import tp_note
 from jmegatron.sharding import rules as ax
 from jmegatron.sharding.layouts import Layout
@@ -55,50 +57,81 @@ class Optimizer:
 
     tx: optax.GradientTransformation
     schedule: optax.Schedule
-    leaf_groups: tuple[str, ...]    # "muon" or "adamw" per param leaf, in leaf order
-    flops_per_step: int             # Newton-Schulz FLOPs of one step (0 for AdamW)
+    leaf_groups: tuple[str, ...]    # "muon", "soap" or "adamw" per param leaf, in leaf order
+    flops_per_step: int             # matrix-optimizer matmul FLOPs of one step (0 for AdamW)
     routing_table: str              # who gets which optimizer (``describe``), who owns what
-    momentum_placement: dict[str, NamedSharding] = dataclasses.field(default_factory=dict)
+    mesh: jax.sharding.Mesh | None = None
+    placements: dict[str, Placement] = dataclasses.field(default_factory=dict)  # by leaf path
+
+    def state_placement(self, path: tuple) -> Placement | None:
+        """Placement of a matrix-optimizer state leaf (by its state path) under the
+        layout: Muon's momentum and SOAP's moments are laid out like their param,
+        SOAP's factors (``factors[<state_key>][block]``) per matrix."""
+        names = [getattr(k, "name", None) for k in path]
+        for field in ("momentum", "mu", "nu"):
+            if field in names:
+                rest = path[names.index(field) + 1:]
+                return self.placements.get(jax.tree_util.keystr(rest).removesuffix(".value"))
+        if "factors" in names and len(path) > names.index("factors") + 1:
+            key = path[names.index("factors") + 1].key
+            where = {state_key(p): w for p, w in self.placements.items()}.get(key)
+            return None if where is None else where.for_blocks()
+        return None
 
     def placed(self, path: tuple) -> NamedSharding | None:
-        """Sharding of a Muon momentum leaf (by its state path), as the layout places it."""
-        names = [getattr(k, "name", None) for k in path]
-        if "momentum" not in names:
-            return None
-        rest = path[names.index("momentum") + 1:]
-        return self.momentum_placement.get(jax.tree_util.keystr(rest).removesuffix(".value"))
+        """Sharding of a matrix-optimizer state leaf, as the layout places it."""
+        where = self.state_placement(path)
+        return None if where is None else NamedSharding(self.mesh, where.state)
+
+
+def _matrix_optimizer(cfg: TrainConfig, schedule, adam_schedule, routing: Routing, mesh,
+                      layout) -> optax.GradientTransformation:
+    a = cfg.adamw
+    adam = dict(adam_learning_rate=adam_schedule, adam_b1=a.b1, adam_b2=a.b2, adam_eps=a.eps,
+                adam_weight_decay=cfg.weight_decay, adam_weight_decay_mask=decay_mask)
+    if cfg.optim == "soap":
+        s = cfg.soap
+        return soap(schedule, b1=s.b1, b2=s.b2, shampoo_beta=s.shampoo_beta, eps=s.eps,
+                    precondition_frequency=s.precondition_frequency,
+                    max_precond_dim=s.max_precond_dim, weight_decay=cfg.weight_decay,
+                    routing=routing, mesh=mesh, layout=layout, **adam)
+    m = cfg.muon
+    return muon(schedule, coefficients=m.ns_coefficients, steps=m.ns_steps, beta=m.momentum,
+                scale=m.scale, rms_factor=m.rms_factor, weight_decay=cfg.weight_decay,
+                matmul_dtype=jnp.dtype(m.ns_dtype), routing=routing, tp_mode=m.tp_mode,
+                mesh=mesh, layout=layout, syrk=m.syrk, **adam)
 
 
 def make_optimizer(cfg: TrainConfig, abstract_params, mesh: jax.sharding.Mesh | None = None,
                    layout: Layout | None = None) -> Optimizer:
-    """Global-norm clipping, then Muon + AdamW (``--optim muon``) or AdamW alone."""
-    placement = {}
+    """Global-norm clipping, then Muon or SOAP + AdamW (``--optim muon|soap``) or AdamW."""
+    placed = {}
     if mesh is not None:
         layout = resolve_layout(layout, mesh, DEFAULT_RULES)
     schedule = make_schedule(cfg.schedule, cfg.lr, cfg.steps)
     adam_schedule = (schedule if cfg.adamw.lr is None
                      else make_schedule(cfg.schedule, cfg.adamw.lr, cfg.steps))
     a, m = cfg.adamw, cfg.muon
-    if cfg.optim == "muon":
+    if cfg.optim in ("muon", "soap"):
         routing = Routing(split_qkv=m.split_qkv, per_head=m.per_head)
-        main = muon(schedule, coefficients=m.ns_coefficients, steps=m.ns_steps,
-                    beta=m.momentum, scale=m.scale, rms_factor=m.rms_factor,
-                    weight_decay=cfg.weight_decay, matmul_dtype=jnp.dtype(m.ns_dtype),
-                    routing=routing, tp_mode=m.tp_mode, mesh=mesh, layout=layout,
-                    adam_learning_rate=adam_schedule, adam_b1=a.b1, adam_b2=a.b2,
-                    adam_eps=a.eps, adam_weight_decay=cfg.weight_decay,
-                    adam_weight_decay_mask=decay_mask)
+        main = _matrix_optimizer(cfg, schedule, adam_schedule, routing, mesh, layout)
         leaves = leaf_routes(abstract_params, routing)
-        groups = tuple("muon" if leaf.route.kind == MATRIX else ADAMW for leaf in leaves)
+        groups = tuple(cfg.optim if leaf.route.kind == MATRIX else ADAMW for leaf in leaves)
         if mesh is not None:
             placed = {leaf.path: where for leaf, where in zip(leaves, place_all(leaves, layout))
                       if where is not None}
-            placement = {path: NamedSharding(mesh, where.state) for path, where in placed.items()}
-        flops = muon_flops(abstract_params, routing, m.ns_steps, m.ns_coefficients)
-        note = None if mesh is None else tp_note(
-            TensorParallel(mesh, m.tp_mode), lambda leaf: placed[leaf.path].state,
-            m.ns_steps, m.ns_coefficients)
-        table = describe(abstract_params, routing, block_note=note)
+        if cfg.optim == "muon":
+            # SYRK's tile count only where the kernel runs (auto: jnp products on CPU).
+            kernel = m.syrk and syrk_backend(True) != "jnp"
+            flops = muon_flops(abstract_params, routing, m.ns_steps, m.ns_coefficients, kernel)
+            note = None if mesh is None else tp_note(
+                TensorParallel(mesh, m.tp_mode), lambda leaf: placed[leaf.path].state,
+                m.ns_steps, m.ns_coefficients)
+        else:
+            flops = soap_flops(abstract_params, routing, cfg.soap.precondition_frequency,
+                               cfg.soap.max_precond_dim)
+            note = None
+        table = describe(abstract_params, routing, matrix_name=cfg.optim, block_note=note)
         if mesh is not None:
             table += "\n\n" + ownership_report(leaves, layout)
     elif cfg.optim == "adamw":
@@ -109,7 +142,7 @@ def make_optimizer(cfg: TrainConfig, abstract_params, mesh: jax.sharding.Mesh | 
     else:
         raise ValueError(f"unknown optimizer {cfg.optim!r}")
     clip = optax.clip_by_global_norm(cfg.grad_clip) if cfg.grad_clip > 0 else optax.identity()
-    return Optimizer(optax.chain(clip, main), schedule, groups, flops, table, placement)
+    return Optimizer(optax.chain(clip, main), schedule, groups, flops, table, mesh, placed)
 
 
 def group_update_rms(updates, leaf_groups: tuple[str, ...]) -> dict[str, jax.Array]:

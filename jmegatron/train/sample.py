@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding
 
 from jmegatron.data import tokenizer
@@ -53,6 +54,7 @@ def sample_texts(sampler, params, prompt: str, n_tokens: int, seq_len: int,
     window = np.full((rows, seq_len), tokenizer.PAD, np.int32)
     window[:, :len(prompt_ids)] = prompt_ids
     window = jax.device_put(window, NamedSharding(mesh, logical_to_spec((ax.BATCH, ax.SEQ), rules)))
-    out = np.asarray(sampler(params, window, len(prompt_ids), end, jax.random.key(seed)))
+    out = sampler(params, window, len(prompt_ids), end, jax.random.key(seed))
+    out = multihost_utils.process_allgather(out, tiled=True)   # rows of every process
     texts = [prompt + tokenizer.decode(row[len(prompt_ids):end]) for row in out[:2]]
     return texts[0], texts[-1]

@@ -12,23 +12,27 @@ from jax.sharding import NamedSharding
 
 from jmegatron.models.config import GPTConfig
 from jmegatron.models.loss import cross_entropy
+from jmegatron.models.moe import balance_expert_bias, moe_losses
 from jmegatron.sharding import rules as ax
 from jmegatron.sharding.rules import Rules, activation_sharding, logical_to_spec
 from jmegatron.train.optimizer import Optimizer, group_update_rms
 from jmegatron.train.state import TrainState
 
-# loss_fn(params, tokens [B, T+1]) -> (loss, {"nll": ..., "z_loss": ...})
+# loss_fn(params, tokens [B, T+1]) -> (loss, {"nll": ..., "z_loss": ..., MoE metrics})
 LossFn = Callable[[nnx.State, jax.Array], tuple[jax.Array, dict[str, jax.Array]]]
 
 
 def make_loss_fn(graphdef: nnx.GraphDef, model_cfg: GPTConfig, mesh: jax.sharding.Mesh,
                  rules: Rules, z_loss: float = 0.0) -> LossFn:
-    """Next-token loss of the model; activations pinned by ``rules``, vocab-parallel loss."""
+    """Next-token loss of the model; activations pinned by ``rules``, vocab-parallel loss;
+    plus the weighted MoE losses, with the MoE metrics (``moe_losses``), for MoE models."""
     def loss_fn(params, tokens):
         with activation_sharding(mesh, rules):
-            logits = nnx.merge(graphdef, params)(tokens[:, :-1])
-        return cross_entropy(logits, tokens[:, 1:], model_cfg.vocab_size, z_loss=z_loss,
-                             mesh=mesh, rules=rules)
+            logits, moe_stats = nnx.merge(graphdef, params)(tokens[:, :-1], return_aux=True)
+        loss, aux = cross_entropy(logits, tokens[:, 1:], model_cfg.vocab_size, z_loss=z_loss,
+                                  mesh=mesh, rules=rules)
+        moe_loss, moe_metrics = moe_losses(moe_stats, model_cfg.moe)
+        return loss + moe_loss, {**aux, **moe_metrics}
     return loss_fn
 
 
@@ -71,6 +75,7 @@ def make_train_step(loss_fn: LossFn, optimizer: Optimizer, microbatches: int,
         grad_norm = optax.tree.norm(grads)
         updates, opt_state = optimizer.tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
+        params = balance_expert_bias(params, state.params, aux)   # MoE only
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
         keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
         new_state = TrainState(state.step + 1, keep(params, state.params),

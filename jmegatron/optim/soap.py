@@ -1,0 +1,324 @@
+"""SOAP: Adam in the eigenbasis of Shampoo's preconditioner, as optax transformations.
+
+Per matrix G (m x n, a block of a routed leaf), SOAP keeps the Kronecker
+factors L = EMA(G G^T) and R = EMA(G^T G) and their eigenbases Q_L, Q_R, and
+runs Adam on the rotated gradient Q_L^T G Q_R; the Adam direction is rotated
+back with Q_L . Q_R^T. The bases come from ``eigh`` on the first step (which
+makes no update, so the gradient that built a basis is never projected on
+it) and are refreshed every ``precondition_frequency`` steps by one power
+iteration and a QR decomposition, columns ordered by estimated eigenvalue.
+The first moment is re-projected onto each new basis; the second moment is
+only permuted with the columns (as in the paper's reference code).
+
+A side longer than ``max_precond_dim`` keeps the identity (one-sided SOAP);
+with both sides identity SOAP is exactly Adam. Dims are merged by the
+routing's matrix view: a leaf [embed, heads, head_dim] is preconditioned as
+one [embed, heads * head_dim] matrix (per-head blocks with
+``Routing(per_head=True)``). Factors and bases are fp32, and their products
+run at full fp32 precision (no TF32), since the rotations must be orthogonal.
+
+Differences from the reference PyTorch code, kept on purpose: eps is added to
+the bias-corrected sqrt(v) as in ``optax.adam`` (so identity bases give
+Adam exactly); the first moment is re-projected only when the basis changes
+(the reference projects it back and forth every step, an identity); weight
+decay is optax's decoupled form on the pre-update weights.
+
+Under a mesh, each matrix is handled whole in ``jax.shard_map`` on the
+devices that hold its state (``jmegatron.optim.placement``): under ``owner``
+and ``layerwise`` each rank preconditions its own matrices, with no
+collective under ``owner``; under ``fsdp`` and for matrices split over the
+tensor axis the shards are gathered first and every rank of the split
+computes the whole matrix (duplicated).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+from jmegatron.optim.placement import Placement, constrain_to, matrix_placements
+from jmegatron.optim.routing import (LeafRoute, Routing, from_matrices, matrix_leaf_routes,
+                                     matrix_pieces, to_matrices, with_adamw)
+from jmegatron.sharding.layouts import Layout
+from jmegatron.sharding.rules import DEFAULT_RULES, Rules
+
+_HIGHEST = lax.Precision.HIGHEST
+
+
+class Factors(NamedTuple):
+    """Shampoo's factors of one block and their eigenbases (None: identity side)."""
+
+    left: jax.Array | None       # [*batch, m, m]  EMA of G G^T
+    right: jax.Array | None      # [*batch, n, n]  EMA of G^T G
+    q_left: jax.Array | None     # [*batch, m, m]  eigenvectors, columns by eigenvalue desc
+    q_right: jax.Array | None
+
+
+class SoapState(NamedTuple):
+    count: jax.Array              # int32 scalar: steps seen (the first makes no update)
+    mu: optax.Updates             # first moment, in the eigenbasis, laid out like the params
+    nu: optax.Updates             # second moment, likewise
+    factors: dict[str, tuple[Factors, ...]]   # per leaf (``state_key``), per block
+
+
+def state_key(path: str) -> str:
+    """The ``factors`` key of a leaf path: "['blocks']['mlp']" -> "blocks.mlp"."""
+    return ".".join(k for k in path.replace("'", "").replace("]", "").split("[") if k)
+
+
+def _rotate(x, f: Factors):
+    """Q_L^T x Q_R."""
+    if f.q_left is not None:
+        x = jnp.einsum("...ki,...kj->...ij", f.q_left, x, precision=_HIGHEST)
+    if f.q_right is not None:
+        x = jnp.einsum("...ik,...kj->...ij", x, f.q_right, precision=_HIGHEST)
+    return x
+
+
+def _rotate_back(x, f: Factors):
+    """Q_L x Q_R^T."""
+    if f.q_left is not None:
+        x = jnp.einsum("...ik,...kj->...ij", f.q_left, x, precision=_HIGHEST)
+    if f.q_right is not None:
+        x = jnp.einsum("...ik,...jk->...ij", x, f.q_right, precision=_HIGHEST)
+    return x
+
+
+def _accumulate(f: Factors, g, beta: float) -> Factors:
+    """L <- beta L + (1 - beta) G G^T, R <- beta R + (1 - beta) G^T G."""
+    ema = lambda old, new: None if old is None else beta * old + (1 - beta) * new
+    return f._replace(
+        left=ema(f.left, jnp.einsum("...ik,...jk->...ij", g, g, precision=_HIGHEST)),
+        right=ema(f.right, jnp.einsum("...ki,...kj->...ij", g, g, precision=_HIGHEST)))
+
+
+def _per_matrix(fn, x):
+    """``fn`` on every matrix of a stack [..., k, k]. On CPU one at a time: XLA:CPU
+    splits a batched eigh or QR over the thread pool its devices also run on,
+    and with 8 virtual devices waiting on each other that deadlocks (seen with
+    jaxlib 0.10.2). Elsewhere batched."""
+    if jax.default_backend() != "cpu" or x.ndim == 2:
+        return fn(x)
+    flat = x.reshape(-1, *x.shape[-2:])
+    return lax.map(fn, flat).reshape(x.shape)
+
+
+def _eigenbasis(factor):
+    """Eigenvectors of a symmetric factor, by eigenvalue descending."""
+    if factor is None:
+        return None
+    return _per_matrix(lambda f: jnp.linalg.eigh(f)[1], factor)[..., ::-1]
+
+
+def _refresh(f: Factors, nu):
+    """One power iteration + QR per side; the columns (and nu with them) are first
+    sorted by the eigenvalues the old basis estimates, diag(Q^T F Q)."""
+    bases = []
+    for factor, q, axis in ((f.left, f.q_left, -2), (f.right, f.q_right, -1)):
+        if factor is None:
+            bases.append(None)
+            continue
+        estimate = jnp.einsum("...ki,...kl,...li->...i", q, factor, q, precision=_HIGHEST)
+        order = jnp.argsort(-estimate, axis=-1)
+        q = jnp.take_along_axis(q, order[..., None, :], axis=-1)
+        nu = jnp.take_along_axis(nu, order[..., :, None] if axis == -2 else order[..., None, :],
+                                 axis=axis)
+        power = jnp.matmul(factor, q, precision=_HIGHEST)
+        bases.append(_per_matrix(lambda p: jnp.linalg.qr(p)[0], power))
+    return f._replace(q_left=bases[0], q_right=bases[1]), nu
+
+
+def soap_block(g, mu, nu, f: Factors, count, *, b1: float, b2: float, shampoo_beta: float,
+               eps: float, precondition_frequency: int, bias_correction: bool = True):
+    """One SOAP step of a stack of blocks [*batch, m, n] (all fp32).
+
+    Returns (direction, mu, nu, factors); ``count`` is this step's number (1-based).
+    """
+    preconditioned = f.left is not None or f.right is not None
+    t = count - 1 if preconditioned else count     # Adam steps taken, this one included
+
+    def first():            # factors from the first gradient, bases by eigh, no update
+        acc = _accumulate(f, g, shampoo_beta)
+        acc = acc._replace(q_left=_eigenbasis(acc.left), q_right=_eigenbasis(acc.right))
+        return jnp.zeros_like(g), mu, nu, acc
+
+    def later():
+        rotated = _rotate(g, f)
+        new_mu = b1 * mu + (1 - b1) * rotated
+        new_nu = b2 * nu + (1 - b2) * rotated * rotated
+        m_hat, v_hat = new_mu, new_nu
+        if bias_correction:
+            m_hat = new_mu / (1 - b1 ** t.astype(jnp.float32))
+            v_hat = new_nu / (1 - b2 ** t.astype(jnp.float32))
+        direction = _rotate_back(m_hat / (jnp.sqrt(v_hat) + eps), f)
+        if not preconditioned:
+            return direction, new_mu, new_nu, f
+        acc = _accumulate(f, g, shampoo_beta)
+
+        def refresh(acc, new_mu, new_nu):
+            plain_mu = _rotate_back(new_mu, acc)
+            acc, new_nu = _refresh(acc, new_nu)
+            return acc, _rotate(plain_mu, acc), new_nu
+
+        acc, new_mu, new_nu = lax.cond(t % precondition_frequency == 0, refresh,
+                                       lambda *args: args, acc, new_mu, new_nu)
+        return direction, new_mu, new_nu, acc
+
+    if not preconditioned:
+        return later()
+    return lax.cond(count == 1, first, later)
+
+
+def _empty_factors(stack_shape: tuple[int, ...], max_precond_dim: int) -> Factors:
+    """Zero factors and bases of a block stack [*batch, m, n] (None: identity side)."""
+    *batch, m, n = stack_shape
+    side = lambda k: None if k > max_precond_dim else jnp.zeros((*batch, k, k), jnp.float32)
+    return Factors(side(m), side(n), side(m), side(n))
+
+
+def scale_by_soap(*, b1: float = 0.95, b2: float = 0.95, shampoo_beta: float | None = None,
+                  eps: float = 1e-8, precondition_frequency: int = 10,
+                  max_precond_dim: int = 10_000, bias_correction: bool = True,
+                  routing: Routing = Routing(), mesh: jax.sharding.Mesh | None = None,
+                  layout: Layout | str | None = None,
+                  rules: Rules = DEFAULT_RULES) -> optax.GradientTransformation:
+    """SOAP's direction for matrix leaves (every leaf must be a matrix or a stack
+    of them under ``routing``; ``soap`` sends the others to AdamW).
+
+    ``shampoo_beta`` (the factors' EMA decay) defaults to ``b2``. A block side
+    longer than ``max_precond_dim`` is not preconditioned. ``mesh`` and
+    ``layout`` place state and work as for ``scale_by_muon``.
+
+    References:
+      Vyas et al., "SOAP: Improving and Stabilizing Shampoo using Adam",
+        arXiv:2409.11321, 2024.
+      Gupta et al., "Shampoo: Preconditioned Stochastic Tensor Optimization",
+        arXiv:1802.09568, 2018.
+    """
+    if precondition_frequency < 1:
+        raise ValueError(f"precondition_frequency must be >= 1, got {precondition_frequency}")
+    hyper = dict(b1=b1, b2=b2, shampoo_beta=b2 if shampoo_beta is None else shampoo_beta,
+                 eps=eps, precondition_frequency=precondition_frequency,
+                 bias_correction=bias_correction)
+    memo: dict = {}
+
+    def placements(tree) -> tuple[list[LeafRoute], list[Placement | None]]:
+        leaves = matrix_leaf_routes(tree, routing, memo, "scale_by_soap")
+        return leaves, matrix_placements(leaves, mesh, layout, rules)
+
+    def init_fn(params):
+        leaves, where = placements(params)
+        flat, treedef = jax.tree.flatten(params)
+        moments, factors = [], {}
+        for x, leaf, at in zip(flat, leaves, where):
+            zeros = jnp.zeros_like(x, dtype=jnp.float32)   # keeps x's sharding
+            if at is not None:
+                zeros = constrain_to(at.pad(zeros), mesh, at.state)
+            moments.append(zeros)
+            factors[state_key(leaf.path)] = tuple(
+                _place_factors(_empty_factors(s.shape, max_precond_dim), at, mesh)
+                for s in to_matrices(zeros, leaf.route.spec))
+        mu = treedef.unflatten(moments)
+        return SoapState(jnp.zeros([], jnp.int32), mu, jax.tree.map(jnp.copy, mu), factors)
+
+    def update_fn(updates, state, params=None):
+        del params
+        leaves, where = placements(updates)
+        count = optax.safe_increment(state.count)
+        flat, treedef = jax.tree.flatten(updates)
+        mus, nus = treedef.flatten_up_to(state.mu), treedef.flatten_up_to(state.nu)
+        outs, new_mu, new_nu, new_factors = [], [], [], {}
+        for g, mu, nu, leaf, at in zip(flat, mus, nus, leaves, where):
+            key, spec = state_key(leaf.path), leaf.route.spec
+            g32 = g.astype(jnp.float32)
+            if at is not None:   # gradients reach the devices that hold the state
+                g32 = constrain_to(at.pad(g32), mesh, at.state)
+            blocks = [_block_step(*args, count, hyper, at, mesh) for args in zip(
+                to_matrices(g32, spec), to_matrices(mu, spec), to_matrices(nu, spec),
+                state.factors[key])]
+            direction, m, v, f = (list(z) for z in zip(*blocks))
+            direction, m, v = (from_matrices(z, spec, g32.shape) for z in (direction, m, v))
+            if at is not None:
+                direction = constrain_to(at.unpad(direction), mesh, at.param)
+                m, v = (constrain_to(z, mesh, at.state) for z in (m, v))
+            outs.append(direction.astype(g.dtype))
+            new_mu.append(m)
+            new_nu.append(v)
+            new_factors[key] = tuple(f)
+        return treedef.unflatten(outs), SoapState(count, treedef.unflatten(new_mu),
+                                                  treedef.unflatten(new_nu), new_factors)
+
+    return optax.GradientTransformation(init_fn, update_fn)
+
+
+def _place_factors(f: Factors, at: Placement | None, mesh) -> Factors:
+    if at is None:
+        return f
+    return jax.tree.map(lambda x: constrain_to(x, mesh, at.blocks), f)
+
+
+def _block_step(g, mu, nu, f: Factors, count, hyper: dict, at: Placement | None, mesh):
+    """``soap_block`` on a stack, in ``jax.shard_map`` when placed: each device
+    steps the whole matrices of its own slice of the stack."""
+    if at is None:
+        return soap_block(g, mu, nu, f, count, **hyper)
+    arrays, treedef = jax.tree.flatten((g, mu, nu, f))
+
+    def local(count, *arrays):
+        return jax.tree.leaves(soap_block(*jax.tree.unflatten(treedef, arrays), count, **hyper))
+
+    spec = at.blocks
+    out = jax.shard_map(local, mesh=mesh, in_specs=(P(), *(spec,) * len(arrays)),
+                        out_specs=[spec] * len(arrays))(count, *arrays)
+    direction, mu, nu, *rest = out
+    return direction, mu, nu, jax.tree.unflatten(jax.tree.structure(f), rest)
+
+
+def soap(learning_rate: optax.ScalarOrSchedule, *, b1: float = 0.95, b2: float = 0.95,
+         shampoo_beta: float | None = None, eps: float = 1e-8,
+         precondition_frequency: int = 10, max_precond_dim: int = 10_000,
+         bias_correction: bool = True, weight_decay: float = 0.0,
+         routing: Routing = Routing(), mesh: jax.sharding.Mesh | None = None,
+         layout: Layout | str | None = None, rules: Rules = DEFAULT_RULES,
+         adam_learning_rate: optax.ScalarOrSchedule | None = None, adam_b1: float = 0.9,
+         adam_b2: float = 0.95, adam_eps: float = 1e-8, adam_weight_decay: float = 0.0,
+         adam_weight_decay_mask=None) -> optax.GradientTransformation:
+    """SOAP for hidden matrices, AdamW for every other leaf (see ``routing``):
+    matrices get ``-lr * (soap_direction + weight_decay * W)``.
+
+    References:
+      Vyas et al., "SOAP: Improving and Stabilizing Shampoo using Adam",
+        arXiv:2409.11321, 2024.
+    """
+    matrix = optax.chain(
+        scale_by_soap(b1=b1, b2=b2, shampoo_beta=shampoo_beta, eps=eps,
+                      precondition_frequency=precondition_frequency,
+                      max_precond_dim=max_precond_dim, bias_correction=bias_correction,
+                      routing=routing, mesh=mesh, layout=layout, rules=rules),
+        optax.add_decayed_weights(weight_decay),
+        optax.scale_by_learning_rate(learning_rate))
+    return with_adamw("soap", matrix, routing, learning_rate if adam_learning_rate is None
+                      else adam_learning_rate, adam_b1, adam_b2, adam_eps, adam_weight_decay,
+                      adam_weight_decay_mask)
+
+
+def soap_flops(params, routing: Routing = Routing(), precondition_frequency: int = 10,
+               max_precond_dim: int = 10_000) -> int:
+    """Matmul FLOPs of one SOAP step on ``params``, per m x n block with side
+    sizes p in {m, n} that are preconditioned: rotating the gradient in and
+    the direction back (4 mnp) and the factor update (2 mnp) every step; per
+    refresh, amortized: the eigenvalue estimate (4 p^3), one power iteration
+    (2 p^3) and QR (4/3 p^3, Householder). The first step's eigh is left out."""
+    total = 0.0
+    for piece in matrix_pieces(params, routing):
+        m, n = piece.fan_in, piece.fan_out
+        sides = [p for p in (m, n) if p <= max_precond_dim]
+        per_step = sum(6 * m * n * p for p in sides)
+        per_refresh = sum((4 + 2 + 4 / 3) * p ** 3 for p in sides)
+        total += piece.count * (per_step + per_refresh / precondition_frequency)
+    return int(total)
