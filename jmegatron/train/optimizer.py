@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -73,10 +74,14 @@ class Optimizer:
                 rest = path[names.index(field) + 1:]
                 return self.placements.get(jax.tree_util.keystr(rest).removesuffix(".value"))
         if "factors" in names and len(path) > names.index("factors") + 1:
-            key = path[names.index("factors") + 1].key
-            where = {state_key(p): w for p, w in self.placements.items()}.get(key)
+            where = self._by_state_key.get(path[names.index("factors") + 1].key)
             return None if where is None else where.for_blocks()
         return None
+
+    @functools.cached_property
+    def _by_state_key(self) -> dict[str, Placement]:
+        """``placements`` keyed as SOAP's ``factors`` are (built once, not per leaf)."""
+        return {state_key(p): w for p, w in self.placements.items()}
 
     def placed(self, path: tuple) -> NamedSharding | None:
         """Sharding of a matrix-optimizer state leaf, as the layout places it."""
