@@ -1,10 +1,12 @@
 """Optimizer layouts side by side (the MatrixFSDP table).
 
-    python -m experiments.bench_layouts [--small] [--optim muon soap adamw] [--out PATH]
+    python -m experiments.bench_layouts [--small] [--layers L] [--experts E [--expert P]]
+                                        [--optim muon soap adamw] [--out PATH]
 
-On 8 devices (fsdp = 8), a GPT of 8 layers with D = 512 (D = 256 with
---small) and Muon (or each --optim given) for its hidden matrices, for each
-layout: the optimizer
+On 8 devices (fsdp = 8), a GPT of 8 layers (or L: 12 puts owner's padding
+to the test) with D = 512 (D = 256 with --small), every MLP a mixture of E
+experts with --experts (split over P expert ranks, fsdp = 8 / P), and Muon
+(or each --optim given) for its hidden matrices, for each layout: the optimizer
 step's time and collective bytes per device (read from the compiled HLO),
 the full train step's time, forward + backward collective bytes per device,
 the bytes of params + optimizer state one device holds, and the train step's
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -24,7 +27,9 @@ import optax
 from flax import nnx
 
 from experiments.bench_common import argv, best_time, print_table, write_results
-from jmegatron.models import GPT, GPTConfig
+from jmegatron.models import GPT, GPTConfig, MoEConfig
+from jmegatron.optim import MATRIX, Routing, leaf_routes
+from jmegatron.optim.owners import tail_owner_bytes
 from jmegatron.sharding import MeshConfig, hlo_collectives, make_mesh
 from jmegatron.sharding.layouts import LAYOUTS, make_layout
 from jmegatron.train import ScheduleConfig, TrainConfig, create_train_state
@@ -32,14 +37,16 @@ from jmegatron.train.optimizer import make_optimizer
 from jmegatron.train.step import make_loss_fn, make_train_step
 
 
-def model_config(small: bool) -> GPTConfig:
+def model_config(small: bool, layers: int = 8, experts: int = 0) -> GPTConfig:
     d = 256 if small else 512
-    return GPTConfig(vocab_size=259, d_model=d, n_layers=8, n_heads=8, n_kv_heads=8,
-                     d_ff=3 * d).pad_vocab(1)
+    return GPTConfig(vocab_size=259, d_model=d, n_layers=layers, n_heads=8, n_kv_heads=8,
+                     d_ff=3 * d, moe=MoEConfig(n_experts=experts, d_ff=d)).pad_vocab(1)
 
 
-def measure(layout_name: str, mesh, model: GPTConfig, tokens, optim: str = "muon") -> dict:
-    layout = make_layout(layout_name, mesh.shape)
+def measure(variant: str, mesh, model: GPTConfig, tokens, optim: str = "muon") -> dict:
+    layout_name, _, assignment = variant.partition("/")   # "layerwise/balanced"
+    assignment = assignment or "round_robin"
+    layout = make_layout(layout_name, mesh.shape, assignment=assignment)
     cfg = dataclasses.replace(model, layer_group=layout.layer_group)
     train = TrainConfig(steps=10, grad_clip=0.0, schedule=ScheduleConfig(warmup_steps=0),
                         optim=optim)
@@ -63,7 +70,7 @@ def measure(layout_name: str, mesh, model: GPTConfig, tokens, optim: str = "muon
     fb_report = hlo_collectives(fwd_bwd, state.params, tokens)
     held = sum(x.addressable_shards[0].data.nbytes
                for x in jax.tree.leaves((state.params, state.opt_state)))
-    row = {"optim": optim, "variant": layout_name,
+    row = {"optim": optim, "variant": variant,
            "opt_gflop": optimizer.flops_per_step / 1e9,
            "opt_step_ms": 1e3 * best_time(lambda: opt_jit(state.params, grads, opt_state), 2),
            "opt_collectives": opt_report.count(),
@@ -86,24 +93,30 @@ def main(args_list: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--small", action="store_true", help="D = 256 (about a minute)")
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--experts", type=int, default=0, help="MoE MLPs of E experts")
+    parser.add_argument("--expert", type=int, default=1, help="expert-parallel ranks P")
     parser.add_argument("--optim", nargs="+", default=["muon"], choices=["muon", "soap", "adamw"])
     parser.add_argument("--out", default=None)
     args = parser.parse_args(args_list)
     jax.config.update("jax_num_cpu_devices", 8)
-    mesh = make_mesh(MeshConfig(fsdp=8))
-    model = model_config(args.small)
+    mesh = make_mesh(MeshConfig(fsdp=8 // args.expert, expert=args.expert))
+    model = model_config(args.small, args.layers, args.experts)
     tokens = jax.device_put(
         jax.random.randint(jax.random.key(0), (8, 129), 0, model.vocab_size),
         jax.NamedSharding(mesh, jax.P(("data", "fsdp", "expert"))))
-    rows = [measure(name, mesh, model, tokens, optim) for optim in args.optim for name in LAYOUTS]
+    # Where the owners do not divide the layers, the balanced layerwise assignment too.
+    variants = LAYOUTS + (("layerwise/balanced",) if args.layers % 8 else ())
+    rows = [measure(name, mesh, model, tokens, optim) for optim in args.optim for name in variants]
     for r in rows:
         same = {x["variant"]: x for x in rows if x["optim"] == r["optim"]}
         r["opt_step_speedup_vs_fsdp"] = same["fsdp"]["opt_step_ms"] / r["opt_step_ms"]
         r["train_step_speedup_vs_fsdp"] = same["fsdp"]["train_step_ms"] / r["train_step_ms"]
         r["opt_step_vs_replicated_over_8"] = r["opt_step_ms"] / (
             same["replicated"]["opt_step_ms"] / 8)
-    print(f"model: {model.n_layers} layers, D={model.d_model}, F={model.d_ff}, "
-          f"{model.param_count() / 1e6:.1f}M params; mesh fsdp=8")
+    moe = f", {args.experts} experts of F={model.moe.d_ff}" if args.experts else ""
+    print(f"model: {model.n_layers} layers, D={model.d_model}, F={model.d_ff}{moe}, "
+          f"{model.param_count() / 1e6:.1f}M params; mesh {MeshConfig(**mesh.shape)}")
     print_table(rows, [("optim", "optimizer", ""), ("variant", "layout", ""),
                        ("opt_gflop", "opt GFLOP", ".2f"), ("opt_step_ms", "opt step ms", ".0f"),
                        ("opt_step_speedup_vs_fsdp", "vs fsdp", ".1f"),
@@ -115,8 +128,26 @@ def main(args_list: list[str] | None = None) -> list[dict]:
                        ("fwd_bwd_bytes_per_device", "fwd+bwd bytes/dev", ",.0f"),
                        ("state_bytes_per_device", "params+state/dev", ",.0f"),
                        ("train_temp_bytes_per_device", "train temp/dev", ",.0f")])
+    print_tail_owners(model, mesh)
     write_results("bench_layouts", rows, args.out, argv() if args_list is None else args_list)
     return rows
+
+
+def print_tail_owners(model: GPTConfig, mesh) -> None:
+    """The owner layout's non-matrix params (AdamW's: embedding, head, norms)
+    element-wise ZeRO-3, as built, against whole on LPT-balanced tail owners."""
+    params = nnx.state(nnx.eval_shape(lambda: GPT(model, nnx.Rngs(0))), nnx.Param)
+    sizes = [4 * math.prod(leaf.shape) for leaf in leaf_routes(params, Routing())
+             if leaf.route.kind != MATRIX]
+    cost = tail_owner_bytes(sizes, mesh.shape["fsdp"])
+    print(f"\nnon-matrix params under owner ({len(sizes)} leaves, {sum(sizes):,} bytes; "
+          "AdamW, so neither placement communicates in the optimizer step):")
+    print_table([{"variant": name, "held": cost[f"{key}_held"],
+                  "received": cost[f"{key}_received"]}
+                 for name, key in (("element-wise ZeRO-3 (kept)", "zero3"),
+                                   ("whole on tail owners (LPT)", "tail"))],
+                [("variant", "placement", ""), ("held", "heaviest rank holds", ",.0f"),
+                 ("received", "most received for the forward", ",.0f")])
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ from jmegatron.train.optimizer import make_optimizer
 
 def build(mesh, layout_name, model, train):
     """(layout, optimizer, graphdef, state) of ``model`` under a layout, born sharded."""
-    layout = make_layout(layout_name, mesh.shape)
+    layout = make_layout(layout_name, mesh.shape, assignment=train.assignment)
     cfg = dataclasses.replace(model, layer_group=layout.layer_group)
     make_model = lambda: GPT(cfg, nnx.Rngs(0))
     abstract = nnx.split(nnx.eval_shape(make_model))[1]

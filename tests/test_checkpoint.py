@@ -48,6 +48,7 @@ def abstract(state):
 D8, D4 = MeshConfig(data=2, fsdp=2, tensor=2), MeshConfig(fsdp=2, tensor=2)
 T4 = MeshConfig(fsdp=2, tensor=4)
 L8 = MeshConfig(data=2, fsdp=4)
+F8 = MeshConfig(fsdp=8)     # owner: 4 layers in one group of 8, half of it padding
 CASES = {   # name: (source mesh, layout, devices), (target mesh, layout, devices)
     "8_to_4_devices": ((D8, "fsdp", 8), (D4, "fsdp", 4)),
     "4_to_8_devices": ((D4, "fsdp", 4), (D8, "fsdp", 8)),
@@ -57,9 +58,9 @@ CASES = {   # name: (source mesh, layout, devices), (target mesh, layout, device
     "owner_to_layerwise": ((L8, "owner", 8), (L8, "layerwise", 8)),
     "replicated_to_fsdp": ((D8, "replicated", 8), (D8, "fsdp", 8)),
     "fsdp_to_replicated": ((D8, "fsdp", 8), (D8, "replicated", 8)),
-    # SOAP's per-matrix factors: padded under layerwise, grouped under owner.
+    # SOAP's per-matrix factors: padded under layerwise, grouped (and padded) under owner.
     "soap_layerwise_to_owner": ((L8, "layerwise", 8), (L8, "owner", 8), "soap"),
-    "soap_owner_to_fsdp_tensor_2": ((L8, "owner", 8), (D8, "fsdp", 8), "soap"),
+    "soap_padded_owner_to_fsdp_tensor_2": ((F8, "owner", 8), (D8, "fsdp", 8), "soap"),
 }
 
 

@@ -13,7 +13,7 @@ from flax import nnx
 
 import helpers
 from jmegatron.models import GPT, GPTConfig
-from jmegatron.models.gpt import ungroup
+from jmegatron.models.gpt import grouped_layers, ungroup
 from jmegatron.sharding import DEFAULT_RULES, MeshConfig, hlo_collectives, make_mesh
 from jmegatron.sharding.layouts import LAYOUTS, make_layout
 from jmegatron.train import (AdamWConfig, ScheduleConfig, TrainConfig, create_train_state,
@@ -43,14 +43,17 @@ def build(mesh, layout_name, model=MODEL, train=TRAIN):
 SOAP = dataclasses.replace(TRAIN, optim="soap")
 
 
-def train_three_steps(mesh, layout_name, microbatches=1, tp_mode="auto"):
-    train = dataclasses.replace(TRAIN, muon=dataclasses.replace(TRAIN.muon, tp_mode=tp_mode))
-    layout, optimizer, graphdef, state = build(mesh, layout_name, train=train)
-    loss_fn = make_loss_fn(graphdef, MODEL, mesh, layout.rules)
+def train_three_steps(mesh, layout_name, microbatches=1, tp_mode="auto", model=MODEL,
+                      grouped=False, assignment="round_robin"):
+    """Params after three steps, as [L, ...] stacks (``grouped``: as the layout holds them)."""
+    train = dataclasses.replace(TRAIN, muon=dataclasses.replace(TRAIN.muon, tp_mode=tp_mode),
+                                assignment=assignment)
+    layout, optimizer, graphdef, state = build(mesh, layout_name, model, train)
+    loss_fn = make_loss_fn(graphdef, model, mesh, layout.rules)
     step = make_train_step(loss_fn, optimizer, microbatches, mesh, layout.rules)
     for tokens in batches():
         state, _ = step(state, tokens)
-    return ungroup(state.params)
+    return state.params if grouped else ungroup(state.params)
 
 
 @pytest.fixture(scope="module")
@@ -72,6 +75,53 @@ def test_layouts_compose_with_accumulation_and_distributed_newton_schulz(layout,
     mesh = make_mesh(MeshConfig(data=2, fsdp=2, tensor=2))
     params = train_three_steps(mesh, layout, microbatches=2, tp_mode="distributed")
     chex.assert_trees_all_close(params, reference, rtol=1e-5, atol=1e-6)
+
+
+ODD = dataclasses.replace(MODEL, n_layers=6)   # on 4 owners: a full group, then 2 + 2 padding
+
+
+@pytest.fixture(scope="module")
+def odd_reference():
+    return train_three_steps(make_mesh(MeshConfig(fsdp=1), jax.devices()[:1]), "fsdp", model=ODD)
+
+
+def test_owner_pads_a_layer_count_the_owners_do_not_divide(odd_reference):
+    grouped = train_three_steps(make_mesh(MeshConfig(data=2, fsdp=4)), "owner", model=ODD,
+                                grouped=True)
+    chex.assert_trees_all_close(ungroup(grouped), odd_reference, rtol=1e-5, atol=1e-6)
+    for leaf in jax.tree.leaves(grouped["blocks"]):     # [2, 4, ...]: slots 6 and 7 unused
+        assert leaf.shape[:2] == (2, 4) and not np.any(np.asarray(leaf[1, 2:]))
+
+
+def test_balanced_layerwise_trains_like_one_device(odd_reference):
+    """6 layers on 8 owners: each stack's 2 padding slots placed by the balanced
+    assignment (and skipped by Newton-Schulz)."""
+    params = train_three_steps(make_mesh(MeshConfig(data=2, fsdp=4)), "layerwise", model=ODD,
+                               assignment="balanced")
+    chex.assert_trees_all_close(params, odd_reference, rtol=1e-5, atol=1e-6)
+
+
+def test_layerwise_newton_schulz_skips_padding_slots(fsdp8):
+    """A stack of 6 matrices on 8 owners: ranks 6 and 7 hold only padding and skip
+    it (a conditional in the compiled step); the update equals one device's. A
+    stack of 8 has no padding and no conditional."""
+    from jmegatron.optim import scale_by_muon
+    from jmegatron.models import state_shardings
+
+    def update(layers, mesh):
+        grads = nnx.State({"w": nnx.Param(
+            jax.random.normal(jax.random.key(layers), (layers, 32, 48)),
+            out_sharding=("layers", "embed", "mlp"), eager_sharding=False)})
+        if mesh is not None:
+            grads = jax.device_put(grads, state_shardings(grads, mesh))
+        tx = scale_by_muon(mesh=mesh, layout=None if mesh is None else "layerwise")
+        step = jax.jit(lambda g: tx.update(g, tx.init(g))[0])
+        return step(grads), step.lower(grads).compile().as_text()
+
+    (six, hlo), (ref, _) = update(6, fsdp8), update(6, None)
+    chex.assert_trees_all_close(six, ref, rtol=1e-5, atol=1e-6)
+    assert "conditional(" in hlo
+    assert "conditional(" not in update(8, fsdp8)[1]
 
 
 # --- the optimizer step's communication and the memory each layout holds -----
@@ -171,6 +221,31 @@ def test_balanced_is_no_worse_than_round_robin_on_mixed_shapes():
     assert balanced / (sum(MIXED) / 8) < 1.05    # LPT: near the mean here
 
 
+def test_balanced_stack_offsets_even_the_load_the_ranks_do_not_divide():
+    """12 layers on 8 ranks, stacks of a layer's QKV, output, SwiGLU-in and -out
+    (NS costs 3, 1, 6, 3): each stack gives 4 ranks a second matrix. Round-robin
+    stacks them up to 22 on ranks 0-3; balanced gives 20 (mean 19.5)."""
+    from jmegatron.optim.owners import stack_offsets
+    unit = ns_cost(256, 256)
+    stacks = [(12, ns_cost(256, 768)), (12, unit), (12, ns_cost(256, 1536)),
+              (12, ns_cost(768, 256))]
+
+    def heaviest(method):
+        offsets = stack_offsets(stacks, 8, method)
+        assert offsets == stack_offsets(stacks, 8, method)
+        owner = [(o + i) % 8 for (count, _), o in zip(stacks, offsets) for i in range(count)]
+        return max(rank_loads([c for count, c in stacks for _ in range(count)], owner, 8))
+
+    assert heaviest("round_robin") == 22 * unit and heaviest("balanced") == 20 * unit
+
+
+def test_tail_owners_hold_and_receive_more_than_element_wise_zero3():
+    from jmegatron.optim.owners import tail_owner_bytes
+    # LPT puts 8 and 2 on one rank, 8 on the other; ZeRO-3 gives each 4 + 4 + 1.
+    assert tail_owner_bytes([8, 8, 2], 2) == {"zero3_held": 9, "tail_held": 10,
+                                              "zero3_received": 9, "tail_received": 10}
+
+
 def test_ownership_report_counts_padding():
     from jmegatron.optim import Routing, leaf_routes
     from jmegatron.optim.placement import ownership_report
@@ -178,7 +253,14 @@ def test_ownership_report_counts_padding():
     params = nnx.state(GPT(MODEL, nnx.Rngs(0)), nnx.Param)
     report = ownership_report(leaf_routes(params, Routing()), layout)
     # 4 stacks of 4 layers over 8 owners: 4 padded slots per stack.
-    assert "padding 16 of 16 matrices (100%)" in report and "imbalance" in report
+    assert "padding 16 of 16 slots (100%)" in report and "imbalance" in report
+    # Owner: 6 layers on 4 ranks, the last group half padding, in each of 4 matrix stacks.
+    layout = make_layout("owner", {"data": 2, "fsdp": 4, "expert": 1, "tensor": 1})
+    cfg = dataclasses.replace(ODD, layer_group=4)
+    params = nnx.state(nnx.eval_shape(lambda: GPT(cfg, nnx.Rngs(0))), nnx.Param)
+    report = ownership_report(leaf_routes(params, Routing()), layout, grouped_layers(params).get)
+    assert "padding 8 of 24 slots (33%)" in report, report
+    assert "imbalance max/mean 1.333" in report and "computed (SOAP): 1.333" in report, report
 
 
 def test_owner_gathers_one_group_at_a_time_and_reduce_scatters_gradients(fsdp8):

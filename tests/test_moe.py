@@ -261,7 +261,7 @@ def test_ragged_exchange_equals_one_device(monkeypatch, one_device):
 
 # --- optimizer ---------------------------------------------------------------------
 
-def expert_muon_step(mesh_config):
+def expert_muon_step(mesh_config, layout=None):
     """Muon's update of expert weights stacked [L, E, ...] as the model names them,
     on a mesh: (updates, one-device updates, collectives of the compiled update)."""
     e, d, f = MOE.n_experts, CFG.d_model, MOE.d_ff
@@ -273,7 +273,7 @@ def expert_muon_step(mesh_config):
                     "down": param(1, (2, e, f, d), ("layers", "experts", "mlp", "embed"))},
                    mesh)
     experts = grads   # Muon's state only needs their shapes and shardings
-    tx = scale_by_muon(mesh=mesh)
+    tx = scale_by_muon(mesh=mesh, layout=layout)
     update = jax.jit(lambda g, s: tx.update(g, s)[0])
     state = tx.init(experts)
     compiled = update.lower(grads, state).compile()
@@ -291,6 +291,57 @@ def test_expert_muon_step_needs_no_collective():
     # The check can fail: split D over fsdp too and each matrix must be gathered.
     _, _, fsdp = expert_muon_step(MeshConfig(fsdp=2, expert=4))
     assert fsdp.count("all-gather", ("fsdp",)) > 0
+
+
+def test_layerwise_shares_expert_layers_out_over_the_data_ranks():
+    """Under layerwise, experts stay split over `expert` and each expert rank's
+    data ranks own whole layers of its experts: the update equals one device's,
+    and only the updated matrices are gathered back (over data)."""
+    updates, ref, report = expert_muon_step(MeshConfig(data=2, fsdp=1, expert=4), "layerwise")
+    chex.assert_trees_all_close(updates, ref, rtol=1e-4, atol=1e-6)
+    assert {(c.kind, c.axes) for c in report.collectives} == {("all-gather", ("data",))}, report
+    spec = make_layout("layerwise", {"data": 2, "expert": 4}).state_spec(
+        ("layers", "experts", "mlp", "embed"), (0, 1))
+    assert spec == jax.P("data", "expert", "tensor", None)
+
+
+def test_owner_layout_runs_moe_like_one_device():
+    """A dense layer then three MoE layers, stored whole on owners (two groups of
+    2 per stack, each ending in padding): loss, MoE stats and gradients equal one
+    device's, and the optimizer step has no collective over the data axes."""
+    import helpers
+    from jmegatron.models.gpt import ungroup
+    from jmegatron.sharding import hlo_collectives
+    from jmegatron.train import TrainConfig, make_loss_fn
+    cfg = GPTConfig(vocab_size=64, d_model=32, n_layers=4, n_heads=4, n_kv_heads=2, d_ff=32,
+                    vocab_multiple=32, moe=dataclasses.replace(MOE, first_dense=1,
+                                                               bias_rate=0.01))
+    train = TrainConfig(steps=1, grad_clip=0.0)
+    tokens = jax.random.randint(jax.random.key(0), (B, T + 1), 0, cfg.vocab_size)
+
+    def run(mesh, layout):
+        _, optimizer, graphdef, state = helpers.build(mesh, layout, cfg, train)
+        loss_fn = make_loss_fn(graphdef, cfg, mesh, DEFAULT_RULES if layout == "fsdp" else
+                               make_layout(layout, mesh.shape).rules)
+        batch = jax.device_put(tokens, NamedSharding(mesh, jax.P(("data", "fsdp", "expert"))))
+        grad = jax.jit(jax.value_and_grad(loss_fn, has_aux=True))
+        return optimizer, state, grad(state.params, batch)
+
+    optimizer, state, ((loss, metrics), grads) = run(
+        make_mesh(MeshConfig(fsdp=2, expert=2, tensor=2)), "owner")
+    _, _, ((ref_loss, ref_metrics), ref_grads) = run(
+        make_mesh(MeshConfig(fsdp=1), jax.devices()[:1]), "fsdp")
+    assert state.params["moe_blocks"]["moe"]["down"].shape[:3] == (2, 2, MOE.n_experts)
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+    chex.assert_trees_all_close(metrics, ref_metrics, rtol=1e-5)
+    chex.assert_trees_all_close(ungroup(grads), ref_grads, rtol=1e-4, atol=1e-7)
+
+    def opt_step(params, grads, opt_state):
+        return optimizer.tx.update(grads, opt_state, params)
+
+    # Only tensor-parallel Newton-Schulz talks (over `tensor`, within a matrix's owners).
+    report = hlo_collectives(jax.jit(opt_step), state.params, grads, state.opt_state)
+    assert {c.axes for c in report.collectives} == {("tensor",)}, report.table()
 
 
 def test_each_expert_is_its_own_muon_matrix():
@@ -327,11 +378,9 @@ def test_layer_pattern_and_parameter_count():
     assert sum(x.size for x in jax.tree.leaves(nnx.state(model))) == mixed.param_count()
     with pytest.raises(ValueError, match="experts=8 is not divisible by expert=16"):
         validate_sharding(CFG.logical_dims(), {"expert": 16}, DEFAULT_RULES)
-    with pytest.raises(ValueError, match="owner layout"):
-        dataclasses.replace(CFG, n_layers=2, layer_group=2)
-    with pytest.raises(ValueError, match="layerwise layout splits each matrix stack"):
-        make_layout("layerwise", {"data": 2, "expert": 4}).state_spec(
-            ("layers", "experts", "mlp", "embed"), (0,))
+    with pytest.raises(ValueError, match=r"owner layout .* needs the dense and MoE layers in "
+                                         r"two runs \(moe.every=1\), not moe.every=2"):
+        dataclasses.replace(mixed, layer_group=2)
 
 
 def test_mixed_model_on_a_mesh_equals_one_device():
@@ -366,8 +415,9 @@ def test_mixed_model_on_a_mesh_equals_one_device():
 
 
 def test_qwen3_moe_tiny_trains_from_the_cli(tmp_path):
-    """The preset, shrunk, with capacity dispatch and aux-loss-free sigmoid routing:
-    the loss falls and the MoE metrics are recorded."""
+    """The preset, shrunk, with capacity dispatch and aux-loss-free sigmoid routing,
+    under the layerwise optimizer layout: the loss falls and the MoE metrics are
+    recorded."""
     small = ["--preset", "qwen3-moe-tiny", "--model.n-layers", "2", "--model.d-model", "32",
              "--model.n-heads", "2",
              "--model.n-kv-heads", "1", "--model.d-ff", "64", "--model.moe.d-ff", "32",
@@ -376,10 +426,13 @@ def test_qwen3_moe_tiny_trains_from_the_cli(tmp_path):
              "--model.moe.bias-rate", "0.001", "--batch-size", "8", "--seq-len", "32",
              "--steps", "16", "--lr", "1e-2", "--schedule.warmup-steps", "2", "--log-every", "1",
              "--eval-every", "16", "--eval-batches", "1", "--sample-tokens", "4",
-             "--no-progress", "--out-dir", str(tmp_path), "--name", "moe"]
+             "--layout", "layerwise", "--no-progress", "--out-dir", str(tmp_path),
+             "--name", "moe"]
     summary = train_cli.main(small)
     config = json.loads((tmp_path / "moe" / "config.json").read_text())
     assert config["mesh"]["expert"] == 4
+    routing = (tmp_path / "moe" / "routing.txt").read_text()
+    assert "layerwise over 8 ranks" in routing, routing
     records = [json.loads(line) for line in (tmp_path / "moe" / "metrics.jsonl").open()]
     train = [r for r in records if "loss" in r]
     assert np.mean([r["loss"] for r in train[-3:]]) < train[0]["loss"] - 1.0, train

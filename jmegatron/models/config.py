@@ -89,7 +89,8 @@ class GPTConfig:
     padded_vocab_size: int | None = None
     """Set by `pad_vocab` from vocab_multiple and the tensor size; leave unset."""
     layer_group: int = 1
-    """Stack block weights as [L/g, g, ...] (set by the owner layout to the fsdp size)."""
+    """Stack block weights as [G, g, ...], G = ceil(L / g), the last group padded with
+    zero layers the forward skips (set by the owner layout to the fsdp size)."""
     moe: MoEConfig = MoEConfig()
     """Mixture-of-experts layers (none by default)."""
 
@@ -104,13 +105,13 @@ class GPTConfig:
                              f"n_heads={self.n_heads}; set head_dim")
         if self.resolved_head_dim % 2:
             raise ValueError(f"head_dim={self.resolved_head_dim} must be even for RoPE")
-        if self.layer_group < 1 or self.n_layers % self.layer_group:
-            raise ValueError(f"n_layers={self.n_layers} is not divisible by layer_group="
-                             f"{self.layer_group} (the owner layout groups one layer per fsdp "
-                             "rank; use another layout or an fsdp size dividing n_layers)")
-        if self.moe.n_experts and self.layer_group > 1:
-            raise ValueError("MoE layers do not support the owner layout (layer_group="
-                             f"{self.layer_group}); use the fsdp, replicated or layerwise layout")
+        if self.layer_group < 1:
+            raise ValueError(f"layer_group={self.layer_group} must be >= 1")
+        if self.moe.n_experts and self.layer_group > 1 and self.moe.every > 1:
+            raise ValueError(f"the owner layout (layer_group={self.layer_group}) gathers each "
+                             "stack group by group, so it needs the dense and MoE layers in two "
+                             f"runs (moe.every=1), not moe.every={self.moe.every}; use the "
+                             "fsdp, replicated or layerwise layout")
         if self.moe.n_experts and not any(self.moe_layers):
             raise ValueError(f"moe.first_dense={self.moe.first_dense} and moe.every="
                              f"{self.moe.every} leave no MoE layer among {self.n_layers}")
@@ -139,6 +140,11 @@ class GPTConfig:
         return tuple(bool(m.n_experts) and i >= m.first_dense
                      and (i - m.first_dense + 1) % m.every == 0 for i in range(self.n_layers))
 
+    @property
+    def dense_layers(self) -> int:
+        """Layers with a dense MLP (the ``blocks`` stack)."""
+        return self.n_layers - sum(self.moe_layers)
+
     def pad_vocab(self, tensor: int = 1) -> "GPTConfig":
         """Pads the vocabulary to a multiple of ``vocab_multiple * tensor`` (Megatron)."""
         multiple = self.vocab_multiple * tensor
@@ -151,7 +157,7 @@ class GPTConfig:
         # Every MLP width is split over the same axes; their gcd divides exactly when all do.
         widths = ([self.d_ff] if not all(self.moe_layers) else []) + (
             [m.d_ff] + ([m.shared_d_ff] if m.shared_d_ff else []) if m.n_experts else [])
-        dims = {"layer_groups": self.n_layers // self.layer_group, "layers": self.layer_group,
+        dims = {"layer_groups": -(-self.n_layers // self.layer_group), "layers": self.layer_group,
                 "embed": self.d_model, "mlp": math.gcd(*widths),
                 "heads": self.n_heads, "kv_heads": self.n_kv_heads,
                 "head_dim": self.resolved_head_dim, "vocab": self.vocab}

@@ -12,7 +12,7 @@ from jmegatron.models.config import GPTConfig
 from jmegatron.models.layers import Block, embed_lookup, param, rms_norm
 from jmegatron.models.moe import MoEBlock
 from jmegatron.sharding import rules as ax
-from jmegatron.sharding.rules import constrain, logical_axes_of, run_gathered
+from jmegatron.sharding.rules import constrain, logical_axes_of, run_constrained, run_gathered
 
 _REMAT = {
     "full": jax.checkpoint_policies.nothing_saveable,
@@ -38,13 +38,14 @@ class GPT(nnx.Module):
                 return make(cfg, rngs)
             return stack(rngs)
 
-        n_moe = sum(cfg.moe_layers)   # MoE blocks stack apart from dense ones
-        if n_moe < cfg.n_layers:
-            self.blocks = stacked(Block, cfg.n_layers - n_moe)
+        if cfg.dense_layers:   # MoE blocks stack apart from dense ones
+            self.blocks = stacked(Block, cfg.dense_layers)
             if cfg.layer_group > 1:
                 group_layers(self.blocks, cfg.layer_group)
-        if n_moe:
-            self.moe_blocks = stacked(MoEBlock, n_moe)
+        if cfg.dense_layers < cfg.n_layers:
+            self.moe_blocks = stacked(MoEBlock, cfg.n_layers - cfg.dense_layers)
+            if cfg.layer_group > 1:
+                group_layers(self.moe_blocks, cfg.layer_group)
         self.final_norm = param(rngs, (cfg.d_model,), (ax.NORM,), None)
         if not cfg.tie_embeddings:
             self.head = param(rngs, (cfg.d_model, cfg.vocab), (ax.EMBED, ax.VOCAB), cfg.init_std)
@@ -56,10 +57,7 @@ class GPT(nnx.Module):
         cfg = self.cfg
         x = embed_lookup(self.embed[...].astype(cfg.dtype), tokens)   # [B, T, D]
         positions = jnp.arange(tokens.shape[1])
-        if any(cfg.moe_layers):
-            x, stats = self._run_mixed(x, positions)
-        else:
-            x, stats = self._run_blocks(x, positions), {}
+        x, stats = self._run_layers(x, positions)
         x = rms_norm(x, self.final_norm[...], cfg.norm_eps)
         head = self.embed[...].T if cfg.tie_embeddings else self.head[...]
         logits = jnp.einsum("btd,dv->btv", x, head.astype(cfg.dtype),
@@ -67,52 +65,61 @@ class GPT(nnx.Module):
         logits = constrain(logits, (ax.BATCH, ax.SEQ, ax.ACT_VOCAB))
         return (logits, stats) if return_aux else logits
 
-    def _run_mixed(self, x: jax.Array, positions: jax.Array):
+    def _run_layers(self, x: jax.Array, positions: jax.Array):
         """Dense and MoE layers in model order: each run of consecutive layers of one
-        kind scans its slice of that kind's stack; MoE layers also give their stats."""
+        kind runs its slice of that kind's stack; MoE layers also give their stats."""
         start, stats = {False: 0, True: 0}, []
         for moe, run in itertools.groupby(self.cfg.moe_layers):
             n = len(list(run))
-            graphdef, state = nnx.split(self.moe_blocks if moe else self.blocks)
-            if n < jax.tree.leaves(state)[0].shape[0]:
-                state = jax.tree.map(lambda a, i=start[moe]: a[i:i + n], state)
+            x, layer_stats = self._run_stack(self.moe_blocks if moe else self.blocks, moe, x,
+                                             positions, start[moe], n)
             start[moe] += n
-
-            def one_layer(x, layer_state, graphdef=graphdef, moe=moe):
-                out = nnx.merge(graphdef, layer_state)(x, positions)
-                return out if moe else (out, None)
-
-            if self.cfg.remat != "none":
-                one_layer = jax.checkpoint(one_layer, policy=_REMAT[self.cfg.remat])
-            x, layer_stats = jax.lax.scan(one_layer, x, state)
             if moe:
                 stats.append(layer_stats)
-        return x, jax.tree.map(lambda *a: jnp.concatenate(a), *stats)
+        return x, jax.tree.map(lambda *a: jnp.concatenate(a), *stats) if stats else {}
 
-    def _run_blocks(self, x: jax.Array, positions: jax.Array) -> jax.Array:
-        graphdef, state = nnx.split(self.blocks)
+    def _run_stack(self, stack: nnx.Module, moe: bool, x: jax.Array, positions: jax.Array,
+                   start: int, n: int):
+        """Layers start..start+n of one stack: (x, their MoE stats or None)."""
+        graphdef, state = nnx.split(stack)
 
         def one_layer(x, layer_state):
-            return nnx.merge(graphdef, layer_state)(x, positions), None
+            out = nnx.merge(graphdef, layer_state)(x, positions)
+            return out if moe else (out, None)
 
         if self.cfg.remat != "none":
             one_layer = jax.checkpoint(one_layer, policy=_REMAT[self.cfg.remat])
-        if self.cfg.layer_group == 1:
-            return jax.lax.scan(one_layer, x, state)[0]
-        # [L/g, g, ...]: each step gathers one group of g whole layers (each kept on
-        # its own rank under the owner layout), runs them, and moves on; the
-        # backward gathers the group again and reduce-scatters its gradients back
-        # to the owners.
+        group = self.cfg.layer_group
+        if group == 1:
+            if n < jax.tree.leaves(state)[0].shape[0]:
+                state = jax.tree.map(lambda a: a[start:start + n], state)
+            return jax.lax.scan(one_layer, x, state)
+        # [G, g, ...] (a whole stack: the config keeps each kind's layers in one
+        # run): each step gathers one group of g whole layers (each kept on its own
+        # rank under the owner layout), runs them, and moves on; the backward
+        # gathers the group again and sends its gradients back to the owners. The
+        # last group may end in padding slots, which it skips.
         axes = [logical_axes_of(v)[1:] for v in
                 jax.tree.leaves(state, is_leaf=lambda v: isinstance(v, nnx.Variable))]
-        treedef = jax.tree.structure(state)
+        treedef, leaves = jax.tree.structure(state), jax.tree.leaves(state)
 
-        run_layers = lambda x, leaves: jax.lax.scan(one_layer, x, treedef.unflatten(leaves))[0]
+        def run_group(x, group, size=group):
+            run = lambda x, whole: jax.lax.scan(
+                one_layer, x, treedef.unflatten([w[:size] for w in whole]))
+            if moe:   # MoE layers run a shard_map of their own, which cannot nest
+                return run_constrained(run, x, group, axes, ax.LAYERS)
+            return run_gathered(lambda x, whole: run(x, whole)[0], x, group, axes,
+                                ax.LAYERS), None
 
-        def one_group(x, group_state):
-            return run_gathered(run_layers, x, jax.tree.leaves(group_state), axes, ax.LAYERS), None
-
-        return jax.lax.scan(one_group, x, state)[0]
+        full, last = divmod(n, group)
+        stats = []
+        if full:
+            x, full_stats = jax.lax.scan(run_group, x, [leaf[:full] for leaf in leaves])
+            stats.append(jax.tree.map(lambda s: s.reshape(-1, *s.shape[2:]), full_stats))
+        if last:
+            x, last_stats = run_group(x, [leaf[full] for leaf in leaves], last)
+            stats.append(last_stats)
+        return x, jax.tree.map(lambda *s: jnp.concatenate(s), *stats) if moe else None
 
 
 def zero_padding(var: nnx.Param, vocab_size: int, axis: int) -> None:
@@ -124,22 +131,44 @@ def zero_padding(var: nnx.Param, vocab_size: int, axis: int) -> None:
 
 
 def group_layers(blocks: nnx.Module, group: int) -> None:
-    """Reshapes every stacked [L, ...] weight of ``blocks`` to [L/group, group, ...]
-    in place (the same values: a canonical checkpoint is a reshape away)."""
+    """Reshapes every stacked [L, ...] weight of ``blocks`` to [G, group, ...] in
+    place, G = ceil(L / group), padding with zero layers: the same values, so a
+    canonical checkpoint is a reshape and a slice away. The forward skips the
+    padding, which thus gets zero gradients and no use (zero weights would also
+    make a block the identity: its output projections add nothing)."""
     for _, var in nnx.iter_graph(blocks):
         if isinstance(var, nnx.Variable):
-            value = var[...]
-            var.set_value(value.reshape(value.shape[0] // group, group, *value.shape[1:]))
-            var.set_metadata(out_sharding=(ax.LAYER_GROUPS, *logical_axes_of(var)))
+            value, layers = var[...], var.shape[0]
+            slots = -(-layers // group) * group
+            value = jnp.pad(value, [(0, slots - layers)] + [(0, 0)] * (value.ndim - 1))
+            var.set_value(value.reshape(slots // group, group, *value.shape[1:]))
+            var.set_metadata(out_sharding=(ax.LAYER_GROUPS, *logical_axes_of(var)),
+                             real_layers=layers)
+
+
+def real_layers(var) -> int | None:
+    """The layers a grouped [G, g, ...] variable holds before its padding (None:
+    not grouped)."""
+    return var.get_metadata().get("real_layers") if hasattr(var, "get_metadata") else None
+
+
+def grouped_layers(params) -> dict[str, int]:
+    """Path (``keystr``) -> real layers, for every grouped variable of ``params``."""
+    is_var = lambda v: isinstance(v, nnx.Variable)
+    return {jax.tree_util.keystr(path): real_layers(v)
+            for path, v in jax.tree.leaves_with_path(params, is_leaf=is_var)
+            if is_var(v) and real_layers(v) is not None}
 
 
 def ungroup(params: nnx.State) -> nnx.State:
-    """Block weights back to [L, ...] from [L/g, g, ...] (other leaves unchanged)."""
+    """Block weights back to [L, ...] from [G, g, ...], padding dropped (other
+    leaves unchanged)."""
     def flat(v):
-        axes = logical_axes_of(v)
-        if not axes or axes[0] != ax.LAYER_GROUPS:
+        layers = real_layers(v)
+        if layers is None:
             return v
-        value = v[...]
-        return v.replace(value.reshape(-1, *value.shape[2:]), out_sharding=axes[1:])
+        out = v.replace(v[...].reshape(-1, *v.shape[2:])[:layers],
+                        out_sharding=logical_axes_of(v)[1:])
+        out.del_metadata("real_layers")
+        return out
     return jax.tree.map(flat, params, is_leaf=lambda v: isinstance(v, nnx.Variable))
-

@@ -98,14 +98,17 @@ def moe_mlp(x: jax.Array, router: jax.Array, bias: jax.Array | None, gate_up: ja
         return y.reshape(x.shape), _finish(sums, cfg)
     mesh, rules = active
     live = lambda name: tuple(a for a in mesh_axes_of(name, rules) if mesh.shape[a] > 1)
-    ep, embed = live(ax.EXPERTS), live(ax.EMBED)
+    # A layer's weights are split as a layer of the stack is: where `layers` takes
+    # mesh axes (the owner layout), they no longer split the other dims.
+    stacked = mesh_axes_of(ax.LAYERS, rules)
+    ep, embed = live(ax.EXPERTS), tuple(a for a in live(ax.EMBED) if a not in stacked)
     # Sums run over size-1 axes too: the specs name them, so values vary over them.
     batch, tp = mesh_axes_of(ax.BATCH, rules), mesh_axes_of(ax.MLP, rules)
     if not set(ep) <= set(batch):
         raise ValueError(f"experts are split over {ep}, which must also split the batch "
                          f"(batch axes {batch}): tokens reach experts by all-to-all over them")
-    spec = lambda *names: logical_to_spec(names, rules)
-    x_spec = spec(ax.BATCH, ax.SEQ, ax.ACT_EMBED)
+    spec = lambda *names: logical_to_spec(names, rules, exclude=stacked)
+    x_spec = logical_to_spec((ax.BATCH, ax.SEQ, ax.ACT_EMBED), rules)
     w_specs = (spec(ax.EMBED, None), P(), spec(ax.EXPERTS, ax.EMBED, ax.GLU, ax.MLP),
                spec(ax.EXPERTS, ax.MLP, ax.EMBED))
 
@@ -226,6 +229,9 @@ def balance_expert_bias(params: nnx.State, old_params: nnx.State,
         if not isinstance(new, ExpertBias):
             return new
         rate = new.get_metadata()["rate"]
-        return new.replace(old[...] + rate * jnp.sign(1.0 / load.shape[-1] - load))
+        shape = old[...].shape                     # [L_moe, E], or [G, g, E] grouped
+        slots = shape[0] * shape[1] if len(shape) == 3 else shape[0]
+        error = jnp.pad(1.0 / load.shape[-1] - load, ((0, slots - load.shape[0]), (0, 0)))
+        return new.replace(old[...] + rate * jnp.sign(error).reshape(shape))
 
     return jax.tree.map(step, params, old_params, is_leaf=lambda v: isinstance(v, nnx.Variable))

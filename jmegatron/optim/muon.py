@@ -112,7 +112,8 @@ def scale_by_muon(*, coefficients: str | CoefficientSet | tuple = "quintic",
                 fan_in, fan_out = ((fan_in // tp.size, fan_out) if side == "in"
                                    else (fan_in, fan_out // tp.size))
             ortho = tp_newton_schulz(stack, side, mode, tp, **ns,
-                                     batch_spec=() if where is None else where.stack)
+                                     batch_spec=() if where is None else where.stack,
+                                     real=None if where is None else where.real_slots())
             return ortho * update_scale(scale, fan_in, fan_out, rms_factor)
         return map_matrices(block, u, leaf.route.spec)
 

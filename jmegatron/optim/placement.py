@@ -3,22 +3,31 @@
 The layout (``jmegatron.sharding.layouts``) fixes the sharding of params and
 of each matrix stack's state. The stack axis is the first batch axis of the
 matrix view (layers). Under ``layerwise`` it is padded to a multiple of the
-n owners, reordered round-robin (matrix i to rank i mod n) and split over
-them, so each rank holds and orthogonalizes whole matrices of its own; under
-``owner`` the params themselves are split that way; under ``fsdp`` the state
-is split element-wise and Newton-Schulz gathers whole matrices first; under
-``replicated`` everyone does everything.
+n owners, reordered (matrix i to rank (offset + i) mod n, in slot i // n)
+and split over them, so each rank holds and orthogonalizes whole matrices
+of its own; under ``owner`` the params themselves are split that way; under
+``fsdp`` the state is split element-wise and Newton-Schulz gathers whole
+matrices first; under ``replicated`` everyone does everything.
+
+A stack split evenly gives every rank the same number of slots; where the
+owners do not divide it, each rank's last slot may be padding, which Muon's
+Newton-Schulz skips (``real_slots``). Which ranks carry the padding of each
+stack is the assignment: round-robin continues from one stack to the next;
+balanced places the heaviest stacks first where they even the per-rank load
+(``owners.stack_offsets``). ``ownership_report`` prints the loads.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jmegatron.optim.owners import assign, load_report, ns_cost, rank_loads
+from jmegatron.optim.owners import assign, load_report, ns_cost, rank_loads, stack_offsets
 from jmegatron.optim.routing import MATRIX, LeafRoute, batch_axes
 from jmegatron.sharding.layouts import Layout, make_layout
 from jmegatron.sharding.rules import DEFAULT_RULES, LAYER_GROUPS, Rules
@@ -49,30 +58,38 @@ class Placement:
         return dataclasses.replace(self, param=self.blocks, state=self.blocks, stack_axis=0)
 
     def pad(self, x: jax.Array) -> jax.Array:
-        """The stack padded and reordered for round-robin ownership that continues
-        across stacks: matrix i of this stack goes to rank (offset + i) mod n, and
-        rank r's slice holds its matrices in order, then padding."""
+        """The stack padded and reordered rank-major: matrix i goes to rank
+        (offset + i) mod n, in its slot i // n, so every rank holds
+        ceil(length / n) slots (its matrices in order, then at most one padding)."""
         if self.owners == 1:
             return x
         a, n = self.stack_axis, self.owners
         widths = [(0, 0)] * x.ndim
-        widths[a] = (self.offset, self.padded - self.length - self.offset)
+        widths[a] = (0, self.padded - self.length)
         x = jnp.pad(x, widths)
-        split = x.reshape(x.shape[:a] + (self.padded // n, n) + x.shape[a + 1:])
-        return jnp.swapaxes(split, a, a + 1).reshape(x.shape)
+        rows = x.reshape(x.shape[:a] + (self.padded // n, n) + x.shape[a + 1:])
+        rows = jnp.roll(rows, self.offset, axis=a + 1)            # slot (i // n, (offset + i) % n)
+        return jnp.swapaxes(rows, a, a + 1).reshape(x.shape)       # rank-major
+
+    def real_slots(self) -> np.ndarray:
+        """Which entries of the padded stack (in ``pad``'s rank-major order) hold a
+        matrix: all but at most each rank's last slot."""
+        n, rows = self.owners, self.padded // self.owners
+        rank, slot = np.divmod(np.arange(self.padded), rows)
+        return slot * n + (rank - self.offset) % n < self.length
 
     def unpad(self, x: jax.Array) -> jax.Array:
         if self.owners == 1:
             return x
         a, n = self.stack_axis, self.owners
-        split = x.reshape(x.shape[:a] + (n, self.padded // n) + x.shape[a + 1:])
-        x = jnp.swapaxes(split, a, a + 1).reshape(x.shape)
-        return jax.lax.slice_in_dim(x, self.offset, self.offset + self.length, axis=a)
+        ranks = x.reshape(x.shape[:a] + (n, self.padded // n) + x.shape[a + 1:])
+        rows = jnp.roll(jnp.swapaxes(ranks, a, a + 1), -self.offset, axis=a + 1)
+        return jax.lax.slice_in_dim(rows.reshape(x.shape), 0, self.length, axis=a)
 
 
-def place(leaf: LeafRoute, layout: Layout, offset: int = 0) -> Placement:
-    """The placement of a matrix leaf (with logical axes) under ``layout``; its
-    stack's first matrix goes to rank ``offset`` under layerwise."""
+def place(leaf: LeafRoute, layout: Layout) -> Placement:
+    """The placement of a matrix leaf (with logical axes) under ``layout``, its
+    stack's first matrix on rank 0 under layerwise (``place_all`` sets offsets)."""
     logical = leaf.logical or (None,) * len(leaf.shape)
     if layout.name == "owner" and layout.owners > 1 and logical[0] != LAYER_GROUPS:
         raise ValueError(f"the owner layout needs block weights stacked [L/f, f, ...], but "
@@ -82,25 +99,30 @@ def place(leaf: LeafRoute, layout: Layout, offset: int = 0) -> Placement:
     state = _full(layout.state_spec(logical, batch), len(leaf.shape))
     stack_axis = batch[0] if batch else None
     length = leaf.shape[stack_axis] if batch else 1
-    owners = layout.owners if layout.name == "layerwise" and batch else 1
-    offset %= owners
-    padded = -(-(length + offset) // owners) * owners
+    owners = layout.stack_owners(state, batch[0]) if layout.name == "layerwise" and batch else 1
+    padded = -(-length // owners) * owners
     return Placement(_full(layout.param_spec(logical), len(leaf.shape)), state,
-                     tuple(state[a] for a in batch), stack_axis, length, padded, owners, offset,
+                     tuple(state[a] for a in batch), stack_axis, length, padded, owners, 0,
                      logical[0] == LAYER_GROUPS)
 
 
 def place_all(leaves: list[LeafRoute], layout: Layout) -> list[Placement | None]:
-    """Placements of the matrix leaves in order (None for the others), with
-    round-robin ownership continuing from one stack to the next."""
-    out, seen = [], 0
-    for leaf in leaves:
-        if leaf.route.kind != MATRIX or leaf.logical is None:
-            out.append(None)
-            continue
-        out.append(place(leaf, layout, seen))
-        seen += out[-1].length
+    """Placements of the matrix leaves in order (None for the others), each
+    stack's first owner set by ``layout.assignment`` (``owners.stack_offsets``)
+    among the stacks split over as many owners."""
+    out = [None if leaf.route.kind != MATRIX or leaf.logical is None else place(leaf, layout)
+           for leaf in leaves]
+    for owners in {where.owners for where in out if where is not None}:
+        mine = [i for i, where in enumerate(out) if where is not None and where.owners == owners]
+        stacks = [(out[i].length, _matrix_cost(leaves[i]) / out[i].length) for i in mine]
+        for i, offset in zip(mine, stack_offsets(stacks, owners, layout.assignment)):
+            out[i] = dataclasses.replace(out[i], offset=offset)
     return out
+
+
+def _matrix_cost(leaf: LeafRoute) -> float:
+    """Newton-Schulz cost of a whole leaf (every matrix of its stack)."""
+    return sum(p.count * ns_cost(p.fan_in, p.fan_out) for p in leaf.route.spec.pieces(leaf.shape))
 
 
 def resolve_layout(layout: Layout | str | None, mesh: jax.sharding.Mesh,
@@ -119,27 +141,42 @@ def matrix_placements(leaves: list[LeafRoute], mesh: jax.sharding.Mesh | None,
     return place_all(leaves, resolve_layout(layout, mesh, rules))
 
 
-def ownership_report(leaves: list[LeafRoute], layout: Layout) -> str:
+def ownership_report(leaves: list[LeafRoute], layout: Layout,
+                     layers: Callable[[str], int] | None = None) -> str:
     """Who owns which whole matrices under ``layout`` (layerwise, owner): per-rank
-    Newton-Schulz load, imbalance, what LPT would give, and padding."""
+    Newton-Schulz load of real matrices (Muon skips padding slots, so its step
+    takes the heaviest rank's), its imbalance, what LPT over single matrices
+    would give, the cost with padding computed (SOAP does), and the padding.
+    ``layers(path)``: real layers of a grouped (owner) stack."""
     if layout.owners == 1:
         return f"{layout.name}: no rank owns whole matrices"
-    costs, owner, padding = [], [], 0
+    n, costs, owner, padding, spmd = layout.owners, [], [], 0, 0.0
     for leaf, where in zip(leaves, place_all(leaves, layout)):
         if where is None:
             continue
-        # Owner stacks are [L/g, g, ...]: layer l = group * g + rank, owned by l mod g.
-        slots = where.length * (layout.layer_group if layout.name == "owner" else 1)
-        per_slot = sum(p.count * ns_cost(p.fan_in, p.fan_out)
-                       for p in leaf.route.spec.pieces(leaf.shape)) / slots
-        costs += [per_slot] * slots
-        owner += [(where.offset + i) % layout.owners for i in range(slots)]
-        padding += where.padded - where.length
-    balanced = assign(costs, layout.owners, "balanced")
-    lpt = max(rank_loads(costs, balanced, layout.owners)) / (sum(costs) / layout.owners)
-    return (f"{layout.name} over {layout.owners} ranks, round-robin: "
-            f"{load_report(costs, owner, layout.owners)} | LPT would give {lpt:.3f} | "
-            f"padding {padding} of {len(costs)} matrices ({100 * padding / len(costs):.0f}%)")
+        per_stack = _matrix_cost(leaf)
+        if where.grouped:   # [G, g, ...]: layer l on rank l mod g, the last group padded
+            real = (layers(leaf.path) if layers else None) or where.length * n
+            costs += [per_stack / (where.length * n)] * real
+            owner += [i % n for i in range(real)]
+            padding += where.length * n - real
+            spmd += per_stack / n
+            continue
+        # Slot i on owner (offset + i) mod owners; a stack whose matrices are already
+        # split over some owner axes (experts) shares each slot among `share` ranks.
+        share = n // where.owners
+        costs += [per_stack / (where.length * share)] * (where.length * share)
+        owner += [(where.offset + i) % where.owners * share + t
+                  for i in range(where.length) for t in range(share)]
+        padding += (where.padded - where.length) * share
+        spmd += per_stack / where.length * where.padded / n
+    mean = sum(costs) / n
+    lpt = max(rank_loads(costs, assign(costs, n, "balanced"), n)) / mean
+    assignment = layout.assignment if layout.name == "layerwise" else "round_robin"
+    return (f"{layout.name} over {n} ranks, {assignment}: {load_report(costs, owner, n)} | "
+            f"LPT would give {lpt:.3f} | with padding computed (SOAP): {spmd / mean:.3f} "
+            f"of the mean | padding {padding} of {len(costs)} slots "
+            f"({100 * padding / len(costs):.0f}%)")
 
 
 def _full(spec: P, ndim: int) -> P:

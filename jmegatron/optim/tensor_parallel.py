@@ -30,6 +30,7 @@ from typing import Callable, Literal
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
@@ -151,14 +152,18 @@ def tp_note(tp: TensorParallel, leaf_spec_of: Callable, steps: int | None,
 
 def tp_newton_schulz(stack: jax.Array, side: Side | None, mode: str, tp: TensorParallel, *,
                      batch_spec: tuple = (), steps: int | None = None, coefficients="quintic",
-                     matmul_dtype=jnp.float32, syrk: bool | str = False) -> jax.Array:
+                     matmul_dtype=jnp.float32, syrk: bool | str = False,
+                     real: np.ndarray | None = None) -> jax.Array:
     """Newton-Schulz of a stack [*batch, m, n] in ``jax.shard_map``: the batch dims
     split as ``batch_spec`` says (each device orthogonalizes its own matrices),
     the matrices split over ``tp.axis`` along ``side`` and handled in ``mode``
     (not "auto"), or whole when ``side`` is None. Any other split of the input
     (an fsdp-split embed dim) is gathered on the way in. ``syrk`` (see
     ``newton_schulz``) applies in every mode: in distributed, each rank's local
-    Gram is a SYRK before the psum."""
+    Gram is a SYRK before the psum. ``real`` marks the entries of the first
+    batch dim that hold a matrix (``Placement.real_slots``: padding is at most
+    each device's last): a device skips its padding, except in the modes that
+    communicate inside Newton-Schulz."""
     schedule, normalization = resolve_schedule(coefficients, steps)
     ns = dict(steps=steps, coefficients=coefficients, matmul_dtype=matmul_dtype, syrk=syrk)
     batch_spec = tuple(batch_spec) + (None,) * (stack.ndim - 2 - len(batch_spec))
@@ -193,8 +198,21 @@ def tp_newton_schulz(stack: jax.Array, side: Side | None, mode: str, tp: TensorP
         fn = local[mode]
     else:
         raise ValueError(f"tp_newton_schulz needs an explicit mode, not {mode!r}")
+    operands, in_specs = (stack,), (spec,)
+    if real is not None and not real.all() and (side is None or mode == "blockwise"):
+        fn = _skipping_padding(fn)
+        operands, in_specs = (stack, jnp.asarray(real)), (spec, P(batch_spec[0]))
     # An interpreted Pallas kernel indexes varying blocks with unvarying program
     # ids, which shard_map's type check rejects (JAX_NOTES.md): off with SYRK
     # (also when compiled, where no GPU has yet told us whether it must be).
-    return jax.shard_map(fn, mesh=tp.mesh, in_specs=spec, out_specs=spec,
-                         check_vma=syrk_backend(syrk) in (None, "jnp"))(stack)
+    return jax.shard_map(fn, mesh=tp.mesh, in_specs=in_specs, out_specs=spec,
+                         check_vma=syrk_backend(syrk) in (None, "jnp"))(*operands)
+
+
+def _skipping_padding(fn: Callable) -> Callable:
+    """``fn`` on a device's slots [R, ...] whose last may be padding (``real`` [R]):
+    Newton-Schulz runs on that one only where it holds a matrix."""
+    def body(block, real):
+        last = lax.cond(real[-1], fn, jnp.zeros_like, block[-1:])
+        return last if block.shape[0] == 1 else jnp.concatenate([fn(block[:-1]), last])
+    return body

@@ -218,6 +218,30 @@ def run_gathered(fn: Callable, x: jax.Array, leaves: Sequence[jax.Array],
                          axis_names=set(manual))(x, *leaves)
 
 
+def run_constrained(fn: Callable, x: jax.Array, leaves: Sequence[jax.Array],
+                    leaf_axes: Sequence[Sequence[str | None]], name: str):
+    """``fn(x, leaves)`` with each leaf made whole along its dim ``name`` (dim 0) by
+    a sharding constraint: XLA picks the collectives (an all-gather forward; the
+    gradients return as it partitions them). For layers with a ``shard_map`` of
+    their own (MoE), which cannot nest in ``run_gathered``'s: the transpose of
+    nested manual computations fails to lower (Shardy, jax 0.10.2). Like there,
+    the backward gathers the weights again rather than keeping them."""
+    active = _ACTIVE.get()
+    if active is None:
+        return fn(x, leaves)
+    mesh, rules = active
+    owners = mesh_axes_of(name, rules)
+    whole_spec = lambda axes: logical_to_spec((None, *axes[1:]), rules, exclude=owners)
+
+    @functools.partial(jax.checkpoint,
+                       policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
+    def body(x, leaves):
+        return fn(x, [jax.lax.with_sharding_constraint(leaf, NamedSharding(mesh, whole_spec(axes)))
+                      for leaf, axes in zip(leaves, leaf_axes)])
+
+    return body(x, leaves)
+
+
 def active_mesh_and_rules() -> tuple[jax.sharding.Mesh, Rules] | None:
     """The (mesh, rules) of the enclosing ``activation_sharding``, if any."""
     return _ACTIVE.get()

@@ -25,7 +25,9 @@ import orbax.checkpoint as ocp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jmegatron.models.config import GPTConfig
+from jmegatron.models.gpt import grouped_layers, real_layers
 from jmegatron.optim.placement import Placement
+from jmegatron.optim.soap import state_key
 from jmegatron.sharding import rules as ax
 from jmegatron.sharding.rules import logical_axes_of, spec_axes
 from jmegatron.train.config import CheckpointConfig
@@ -42,7 +44,7 @@ class CheckpointError(ValueError):
 class LeafCodec:
     """How one live leaf maps to its canonical form."""
 
-    grouped: bool = False               # [L/g, g, ...] <-> [L, ...]
+    grouped: int = 0                    # [G, g, ...] (padded) <-> [L, ...]: L (0: flat)
     vocab_dim: int | None = None        # padded vocabulary <-> vocab_size
     placement: Placement | None = None  # layerwise matrix-optimizer state: padded stack
 
@@ -50,7 +52,7 @@ class LeafCodec:
         if self.placement is not None:
             x = self.placement.unpad(x)
         if self.grouped:
-            x = x.reshape(-1, *x.shape[2:])
+            x = x.reshape(-1, *x.shape[2:])[:self.grouped]
         if self.vocab_dim is not None:
             x = jax.lax.slice_in_dim(x, 0, vocab, axis=self.vocab_dim)
         return x
@@ -61,7 +63,9 @@ class LeafCodec:
             widths[self.vocab_dim] = (0, padded_vocab - x.shape[self.vocab_dim])
             x = jnp.pad(x, widths)
         if self.grouped:
-            x = x.reshape(-1, *self._param_shape(shape)[1:])
+            groups, group = self._param_shape(shape)[:2]
+            x = jnp.pad(x, [(0, groups * group - x.shape[0])] + [(0, 0)] * (x.ndim - 1))
+            x = x.reshape(groups, group, *x.shape[1:])
         if self.placement is not None:
             x = self.placement.pad(x)
         return x
@@ -79,7 +83,7 @@ def _param_codecs(abstract_params, model: GPTConfig) -> dict[tuple, tuple]:
                                                is_leaf=lambda v: logical_axes_of(v) is not None):
         axes = logical_axes_of(var) or ()
         vocab_dim = axes.index(ax.VOCAB) if ax.VOCAB in axes else None
-        codec = LeafCodec(bool(axes) and axes[0] == ax.LAYER_GROUPS,
+        codec = LeafCodec(real_layers(var) or 0,
                           vocab_dim if model.vocab != model.vocab_size else None)
         value_path = tuple(path) + tuple(jax.tree_util.tree_flatten_with_path(var)[0][0][0])
         codecs[value_path] = (tuple(var.shape), codec)
@@ -94,6 +98,7 @@ def leaf_codecs(abstract_state: TrainState, abstract_params, model: GPTConfig,
     momentum, SOAP's moments and factors); scalars and counts stay as they are."""
     by_path = _param_codecs(abstract_params, model)
     longest = max(map(len, by_path), default=0)
+    layers = {state_key(p): n for p, n in grouped_layers(abstract_params).items()}
 
     def pick(path, leaf):
         placement = placed(path)
@@ -102,7 +107,8 @@ def leaf_codecs(abstract_state: TrainState, abstract_params, model: GPTConfig,
             if codec is not None and (placement is not None or shape == leaf.shape):
                 return dataclasses.replace(codec, placement=placement)
         if placement is not None:   # per-matrix state of a stack (SOAP's factors)
-            return LeafCodec(grouped=placement.grouped, placement=placement)
+            key = path[[getattr(k, "name", None) for k in path].index("factors") + 1].key
+            return LeafCodec(grouped=layers.get(key, 0), placement=placement)   # by factor key
         return LeafCodec()
 
     return jax.tree.map_with_path(pick, abstract_state)

@@ -141,6 +141,10 @@ class TrainConfig:
     """Where params and matrix-optimizer state live: replicated (data parallel),
     layerwise (Megatron: state of each matrix on one data rank), fsdp (ZeRO-3,
     element-wise), owner (MatrixFSDP: each matrix whole on one fsdp rank)."""
+    assignment: Literal["round_robin", "balanced"] = "round_robin"
+    """layerwise: which data rank owns each matrix: round_robin (continuing from one
+    stack to the next) or balanced (heaviest stacks first, evening the per-rank
+    Newton-Schulz load where the ranks do not divide a stack)."""
     data: DataConfig = DataConfig()
     optim: Literal["muon", "soap", "adamw"] = "muon"
     """muon or soap for hidden matrices and AdamW for the rest; adamw: AdamW for all."""

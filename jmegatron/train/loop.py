@@ -72,7 +72,7 @@ def plan_run(cfg: TrainConfig) -> Plan:
     if cfg.model.vocab_size < corpus.vocab_size:
         raise ValueError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the "
                          f"corpus vocabulary ({corpus.vocab_size}, {corpus.source!r})")
-    layout = make_layout(cfg.layout, mesh.sizes())
+    layout = make_layout(cfg.layout, mesh.sizes(), assignment=cfg.assignment)
     model = dataclasses.replace(cfg.model.pad_vocab(mesh.tensor), layer_group=layout.layer_group)
     validate_sharding(model.logical_dims(), mesh.sizes(), layout.rules, cfg.microbatch_size)
     return Plan(mesh, model, corpus, layout)

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding
 
+from jmegatron.models.gpt import grouped_layers
 from jmegatron.optim import (ADAMW, MATRIX, Routing, TensorParallel, describe, leaf_routes, muon,
                              muon_flops, soap, soap_flops)
 from jmegatron.optim.soap import state_key
@@ -138,7 +139,8 @@ def make_optimizer(cfg: TrainConfig, abstract_params, mesh: jax.sharding.Mesh | 
             note = None
         table = describe(abstract_params, routing, matrix_name=cfg.optim, block_note=note)
         if mesh is not None:
-            table += "\n\n" + ownership_report(leaves, layout)
+            table += "\n\n" + ownership_report(leaves, layout,
+                                                 grouped_layers(abstract_params).get)
     elif cfg.optim == "adamw":
         main = optax.adamw(adam_schedule, b1=a.b1, b2=a.b2, eps=a.eps,
                            weight_decay=cfg.weight_decay, mask=decay_mask)
