@@ -3,6 +3,7 @@
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")   # see experiments/__init__.py
 
 import jax  # noqa: E402
 

@@ -2,8 +2,8 @@
 
 The full 300-step comparison is `python -m experiments.compare_optimizers`
 (its table is in the README); this run keeps the model and optimizers and
-cuts steps, batch and sequence length (about 100 s on 2 cores, most of it
-SOAP's; at 40 steps both lead AdamW's 2.733 by 0.14).
+cuts steps, batch and sequence length (about 55 s on 2 cores; at 40 steps
+both lead AdamW's 2.733 by 0.14).
 """
 
 from experiments.compare_optimizers import compare
