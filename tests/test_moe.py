@@ -319,10 +319,9 @@ def test_owner_layout_runs_moe_like_one_device():
     train = TrainConfig(steps=1, grad_clip=0.0)
     tokens = jax.random.randint(jax.random.key(0), (B, T + 1), 0, cfg.vocab_size)
 
-    def run(mesh, layout):
-        _, optimizer, graphdef, state = helpers.build(mesh, layout, cfg, train)
-        loss_fn = make_loss_fn(graphdef, cfg, mesh, DEFAULT_RULES if layout == "fsdp" else
-                               make_layout(layout, mesh.shape).rules)
+    def run(mesh, layout_name):
+        layout, optimizer, graphdef, state = helpers.build(mesh, layout_name, cfg, train)
+        loss_fn = make_loss_fn(graphdef, cfg, mesh, layout.rules)
         batch = jax.device_put(tokens, NamedSharding(mesh, jax.P(("data", "fsdp", "expert"))))
         grad = jax.jit(jax.value_and_grad(loss_fn, has_aux=True))
         return optimizer, state, grad(state.params, batch)
@@ -363,6 +362,12 @@ def test_expert_bias_moves_against_the_load():
                               {"moe_load": load})
     np.testing.assert_array_equal(new["b"][...], [[-0.5, 0, 0, 0.5], [0, 0, 0, 0]])
     assert new["w"] is other
+    # Grouped for the owner layout, [G, g, E]: the layers in order, padding untouched.
+    grouped = ExpertBias(jnp.zeros((2, 2, 4)), out_sharding=("layer_groups", "layers", None),
+                         eager_sharding=False, rate=0.5)
+    new = balance_expert_bias({"b": grouped}, {"b": grouped}, {"moe_load": load[:1].repeat(3, 0)})
+    np.testing.assert_array_equal(new["b"][...].reshape(4, 4),
+                                  [[-0.5, 0, 0, 0.5]] * 3 + [[0, 0, 0, 0]])
     dense = {"w": other}
     assert balance_expert_bias(dense, dense, {}) is dense
 
