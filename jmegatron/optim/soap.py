@@ -71,21 +71,14 @@ def state_key(path: str) -> str:
     return ".".join(k for k in path.replace("'", "").replace("]", "").split("[") if k)
 
 
-def _rotate(x, f: Factors):
-    """Q_L^T x Q_R."""
+def _rotate(x, f: Factors, back: bool = False):
+    """Q_L^T x Q_R into the eigenbasis, or with ``back`` Q_L x Q_R^T out of it."""
+    left, right = (("...ik,...kj->...ij", "...ik,...jk->...ij") if back
+                   else ("...ki,...kj->...ij", "...ik,...kj->...ij"))
     if f.q_left is not None:
-        x = jnp.einsum("...ki,...kj->...ij", f.q_left, x, precision=_HIGHEST)
+        x = jnp.einsum(left, f.q_left, x, precision=_HIGHEST)
     if f.q_right is not None:
-        x = jnp.einsum("...ik,...kj->...ij", x, f.q_right, precision=_HIGHEST)
-    return x
-
-
-def _rotate_back(x, f: Factors):
-    """Q_L x Q_R^T."""
-    if f.q_left is not None:
-        x = jnp.einsum("...ik,...kj->...ij", f.q_left, x, precision=_HIGHEST)
-    if f.q_right is not None:
-        x = jnp.einsum("...ik,...jk->...ij", x, f.q_right, precision=_HIGHEST)
+        x = jnp.einsum(right, x, f.q_right, precision=_HIGHEST)
     return x
 
 
@@ -155,13 +148,13 @@ def soap_block(g, mu, nu, f: Factors, count, *, b1: float, b2: float, shampoo_be
         if bias_correction:
             m_hat = new_mu / (1 - b1 ** t.astype(jnp.float32))
             v_hat = new_nu / (1 - b2 ** t.astype(jnp.float32))
-        direction = _rotate_back(m_hat / (jnp.sqrt(v_hat) + eps), f)
+        direction = _rotate(m_hat / (jnp.sqrt(v_hat) + eps), f, back=True)
         if not preconditioned:
             return direction, new_mu, new_nu, f
         acc = _accumulate(f, g, shampoo_beta)
 
         def refresh(acc, new_mu, new_nu):
-            plain_mu = _rotate_back(new_mu, acc)
+            plain_mu = _rotate(new_mu, acc, back=True)
             acc, new_nu = _refresh(acc, new_nu)
             return acc, _rotate(plain_mu, acc), new_nu
 
