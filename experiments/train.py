@@ -9,13 +9,16 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import shlex
 import sys
+from pathlib import Path
 
 import jax
 import tyro
 
 from experiments.presets import PRESETS
 from jmegatron.train import TrainConfig
+from jmegatron.train.config import ConfigError
 
 
 def parse(argv: list[str]) -> TrainConfig:
@@ -33,12 +36,35 @@ def parse(argv: list[str]) -> TrainConfig:
     return cfg
 
 
+# Flags the continuation command replaces (with a value, then without one).
+_RUN_FLAGS = ("--name", "--out-dir", "--resume-from", "--stop-after")
+_SWITCHES = ("--resume", "--no-resume", "--overwrite", "--no-overwrite")
+
+
+def resume_command(argv: list[str], run_dir: Path) -> str:
+    """The command that continues this run: the same flags, in its folder, with --resume."""
+    kept, skip = [], False
+    for arg in argv:
+        flag = arg.split("=", 1)[0]
+        if skip or flag in _SWITCHES or flag in _RUN_FLAGS:
+            skip = flag in _RUN_FLAGS and "=" not in arg and not skip
+            continue
+        kept.append(arg)
+    return shlex.join(["python", "-m", "experiments.train", *kept, "--name", run_dir.name,
+                       "--out-dir", str(run_dir.parent), "--resume"])
+
+
 def main(argv: list[str] | None = None) -> dict:
-    cfg = parse(sys.argv[1:] if argv is None else argv)
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        cfg = parse(argv)
+    except ConfigError as err:   # a value no setting accepts: one line, before anything runs
+        sys.exit(f"error: {err}")
     # Before any JAX operation starts a backend (importing jax does not).
     jax.config.update("jax_num_cpu_devices", cfg.cpu_devices)
     from jmegatron.train import distributed, plan_run, train
     from jmegatron.train.checkpoint import CheckpointError
+    from jmegatron.train.loop import TrainingError
     try:
         distributed.initialize(cfg.dist)   # several processes: before anything touches a device
     except distributed.DistError as err:
@@ -49,9 +75,12 @@ def main(argv: list[str] | None = None) -> dict:
         except ValueError as err:
             sys.exit(f"error: {err}")
         try:
-            return train(cfg, plan)
-        except CheckpointError as err:   # a checkpoint that does not fit: one line, no trace
+            summary = train(cfg, plan, resume_command(argv, plan.run_dir))
+        except (CheckpointError, TrainingError) as err:   # one line, no trace
             sys.exit(f"error: {err}")
+        if "error" in summary:   # already reported; the checkpoint was saved before it
+            sys.exit(1)
+        return summary
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ import helpers
 from jmegatron.models import GPTConfig
 from jmegatron.sharding import MeshConfig, make_mesh
 from jmegatron.train import ScheduleConfig, TrainConfig, Trainer
-from jmegatron.train.checkpoint import Checkpointer, CheckpointError, LeafCodec
+from jmegatron.train.checkpoint import Checkpointer, CheckpointDamaged, CheckpointError, LeafCodec
 
 MODEL = GPTConfig(vocab_size=300, d_model=32, n_layers=4, n_heads=4, n_kv_heads=4, d_ff=64,
                   vocab_multiple=64)
@@ -120,7 +120,8 @@ def test_a_corrupted_file_is_named(saved, tmp_path):
         if f.is_file() and f.name not in ("_METADATA", "_CHECKPOINT_METADATA"):
             f.write_bytes(b"\0garbage" * 8)
     cfg, state, codecs = setup(D8, "fsdp", optim="adamw")
-    with pytest.raises(CheckpointError, match=f"cannot restore {broken / '3'}"):
+    with pytest.raises(CheckpointDamaged, match=f"checkpoint {broken / '3'} is damaged: cannot "
+                                                "read its arrays"):
         Checkpointer(broken).restore(3, abstract(state), codecs, cfg)
 
 

@@ -144,6 +144,26 @@ def test_soap_with_identity_bases_is_adamw_for_the_whole_tree():
     chex.assert_trees_all_close(p1, p2, rtol=1e-6, atol=1e-7)
 
 
+def test_the_first_step_leaves_preconditioned_matrices_exactly_as_they_are():
+    """Step 1 only builds the eigenbases: no direction and no weight decay for the
+    preconditioned stack, while a stack with no preconditioned side (plain Adam) and
+    the AdamW leaves move. From step 2 on the decay applies to both stacks."""
+    rng = np.random.default_rng(0)
+    params = {"w": jnp.asarray(rng.standard_normal((2, 4, 6)), jnp.float32),    # preconditioned
+              "wide": jnp.asarray(rng.standard_normal((2, 9, 9)), jnp.float32)}  # max_dim 8: Adam
+    tx = soap(1e-2, weight_decay=0.1, max_precond_dim=8, routing=STACK)
+    state, update = tx.init(params), jax.jit(tx.update)
+    grads = lambda: jax.tree.map(lambda x: jnp.asarray(rng.standard_normal(x.shape), x.dtype),
+                                 params)
+    updates, state = update(grads(), state, params)
+    after = optax.apply_updates(params, updates)
+    assert np.asarray(after["w"]).tobytes() == np.asarray(params["w"]).tobytes()
+    assert not np.allclose(after["wide"], params["wide"])
+    zero = jax.tree.map(jnp.zeros_like, params)
+    updates, state = update(zero, state, after)   # a zero gradient: the decay alone
+    np.testing.assert_allclose(updates["w"], -1e-2 * 0.1 * after["w"], rtol=1e-6)
+
+
 def test_bases_stay_orthonormal_and_state_finite_on_rank_deficient_gradients():
     """Rank-one gradients, with zero gradients in between: factors are singular
     throughout, yet eigh and QR keep orthonormal bases and nothing overflows."""

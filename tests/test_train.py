@@ -112,6 +112,29 @@ def test_a_nan_gradient_skips_the_step(which, setup, muon_setup):
     assert not np.array_equal(later.params["embed"][...], before.params["embed"][...])
 
 
+def poison_state():
+    """A transformation whose own state turns NaN while the updates stay finite."""
+    return optax.GradientTransformation(lambda params: {"x": jnp.zeros(())},
+                                        lambda u, state, params=None: (u, {"x": state["x"] * jnp.nan}))
+
+
+@pytest.mark.parametrize("poison", ["update", "state"])
+def test_non_finite_new_params_or_optimizer_state_skip_the_step(poison, setup):
+    """The loss and gradients are finite; what the optimizer makes of them is not."""
+    mesh, optimizer, _, loss_fn = setup
+    extra = optax.scale(jnp.nan) if poison == "update" else poison_state()
+    optimizer = dataclasses.replace(optimizer, tx=optax.chain(optimizer.tx, extra))
+    make_model = lambda: GPT(MODEL, nnx.Rngs(0))
+    _, state = create_train_state(make_model, optimizer.tx, mesh, DEFAULT_RULES)
+    before = jax.device_get(state)
+    after, metrics = make_train_step(loss_fn, optimizer, 1, mesh, DEFAULT_RULES)(state, tokens())
+    assert np.isfinite(metrics["loss"]) and np.isfinite(metrics["grad_norm"])
+    assert bool(metrics["skipped"]) and int(after.skipped) == 1
+    for a, b in zip(jax.tree.leaves((before.params, before.opt_state)),
+                    jax.tree.leaves((after.params, after.opt_state))):
+        assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
+
+
 def test_training_lowers_the_loss(setup):
     mesh, optimizer, state, loss_fn = setup
     step = make_train_step(loss_fn, optimizer, 2, mesh, DEFAULT_RULES)
@@ -187,6 +210,7 @@ def test_cli_runs_three_steps_and_writes_every_output(tmp_path):
      "heads=2 is not divisible by tensor=8"),
     (["--batch-size", "4", "--microbatches", "2"], "batch=2 is not divisible by data=2 x fsdp=2"),
     (["--model.vocab-size", "100"], "model.vocab_size=100 is smaller than the corpus"),
+    (["--top-k", "10000"], "--top-k 10000: must be at most the vocabulary (model.vocab_size=259)"),
 ])
 def test_cli_bad_input_gives_one_clear_line(args, message, capsys):
     with pytest.raises(SystemExit) as exit_info:

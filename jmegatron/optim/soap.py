@@ -272,6 +272,35 @@ def _block_step(g, mu, nu, f: Factors, count, hyper: dict, at: Placement | None,
     return direction, mu, nu, jax.tree.unflatten(jax.tree.structure(f), rest)
 
 
+def add_decayed_weights_after_basis_step(weight_decay: float, routing: Routing = Routing(),
+                                         max_precond_dim: int = 10_000
+                                         ) -> optax.GradientTransformation:
+    """``optax.add_decayed_weights`` for SOAP's matrices, except on the first step of
+    every block with a preconditioned side: that step only builds the eigenbases, its
+    direction is zero, and the weights must stay exactly as they are. (A block with
+    no preconditioned side is plain Adam from the first step, and decays with it.)"""
+    memo: dict = {}
+
+    def init_fn(params):
+        del params
+        return optax.ScaleByScheduleState(count=jnp.zeros([], jnp.int32))
+
+    def update_fn(updates, state, params):
+        leaves = matrix_leaf_routes(params, routing, memo, "SOAP's weight decay")
+        flat, treedef = jax.tree.flatten(params)
+        out = []
+        for g, p, leaf in zip(treedef.flatten_up_to(updates), flat, leaves):
+            spec = leaf.route.spec
+            builds = from_matrices([jnp.full(b.shape, min(b.shape[-2:]) <= max_precond_dim)
+                                    for b in to_matrices(p, spec)], spec, p.shape)
+            rate = jnp.where(builds & (state.count == 0), 0.0, weight_decay)
+            out.append(g + rate * p)
+        return treedef.unflatten(out), optax.ScaleByScheduleState(
+            optax.safe_increment(state.count))
+
+    return optax.GradientTransformation(init_fn, update_fn)
+
+
 def soap(learning_rate: optax.ScalarOrSchedule, *, b1: float = 0.95, b2: float = 0.95,
          shampoo_beta: float | None = None, eps: float = 1e-8,
          precondition_frequency: int = 10, max_precond_dim: int = 10_000,
@@ -282,7 +311,8 @@ def soap(learning_rate: optax.ScalarOrSchedule, *, b1: float = 0.95, b2: float =
          adam_b2: float = 0.95, adam_eps: float = 1e-8, adam_weight_decay: float = 0.0,
          adam_weight_decay_mask=None) -> optax.GradientTransformation:
     """SOAP for hidden matrices, AdamW for every other leaf (see ``routing``):
-    matrices get ``-lr * (soap_direction + weight_decay * W)``.
+    matrices get ``-lr * (soap_direction + weight_decay * W)``, and nothing on the
+    first step, which only builds the eigenbases (no direction, no weight decay).
 
     References:
       Vyas et al., "SOAP: Improving and Stabilizing Shampoo using Adam",
@@ -293,7 +323,7 @@ def soap(learning_rate: optax.ScalarOrSchedule, *, b1: float = 0.95, b2: float =
                       precondition_frequency=precondition_frequency,
                       max_precond_dim=max_precond_dim, bias_correction=bias_correction,
                       routing=routing, mesh=mesh, layout=layout, rules=rules),
-        optax.add_decayed_weights(weight_decay),
+        add_decayed_weights_after_basis_step(weight_decay, routing, max_precond_dim),
         optax.scale_by_learning_rate(learning_rate))
     return with_adamw("soap", matrix, routing, learning_rate if adam_learning_rate is None
                       else adam_learning_rate, adam_b1, adam_b2, adam_eps, adam_weight_decay,

@@ -8,13 +8,24 @@ by the parameter it belongs to, so a checkpoint restores onto any mesh and
 layout with the same model and optimizer. Each device writes its own
 shards (orbax); nothing is gathered to one host. Saving is asynchronous by
 default; orbax writes into a temporary folder and renames it when complete,
-so a save killed half-way leaves nothing that restores as whole.
+so a save killed half-way leaves nothing that restores as whole. The meta
+item holds a checksum of every canonical leaf, computed on the devices from
+the arrays being written and compared whenever the checkpoint is read
+(restore, and the read-back after a save): a damaged file is found, and
+named, before its numbers reach training.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 import json
+import logging
+import os
+import re
+import shutil
+import sys
 from pathlib import Path
 from typing import Callable
 
@@ -30,14 +41,25 @@ from jmegatron.optim.placement import Placement
 from jmegatron.optim.soap import state_key
 from jmegatron.sharding import rules as ax
 from jmegatron.sharding.rules import logical_axes_of, spec_axes
+from jmegatron.train.checksum import checksums_by_leaf
 from jmegatron.train.config import CheckpointConfig
+from jmegatron.train.distributed import barrier
 from jmegatron.train.state import TrainState
 
-FORMAT = 1
+FORMAT = 2   # 2: a checksum per leaf in the meta item
 
 
 class CheckpointError(ValueError):
     """A checkpoint that cannot be restored here; the message names the leaf or file."""
+
+
+class CheckpointDamaged(CheckpointError):
+    """A checkpoint whose files do not hold what was written (unreadable, or a checksum
+    differs): an older checkpoint may still be good."""
+
+
+class SaveError(CheckpointError):
+    """Writing a checkpoint failed (disk full, permissions); the previous one stays."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,33 +154,89 @@ def canonical_sharding(sharding: jax.sharding.Sharding, codec: LeafCodec,
 
 
 class Checkpointer:
-    """Saves and restores one run's train state in canonical form."""
+    """Saves and restores one run's train state in canonical form, with a checksum of
+    every leaf (``checksum.py``), checked whenever a checkpoint is read.
+
+    Rotation is done here, not by orbax: after each save has finished (and, with
+    ``verify``, read back equal to what was written), the newest ``keep`` checkpoints
+    and every multiple of ``keep_period`` stay, and the newest *verified* one stays
+    too while any newer one is unverified."""
 
     def __init__(self, directory: str | Path, cfg: CheckpointConfig = CheckpointConfig()):
         self.directory = Path(directory).absolute()
-        self._encode = (None, None)   # (codecs, jitted encoder): compiled once per run
-        options = ocp.CheckpointManagerOptions(
-            max_to_keep=cfg.keep, keep_period=cfg.keep_period,
-            enable_async_checkpointing=cfg.async_save)
+        self.cfg = cfg
+        self.verified: set[int] = set()   # steps whose files were read back and matched
+        self._unfinished = None           # (step, abstract canonical tree, checksums)
+        self._encode = (None, None)       # (codecs, jitted encoder): compiled once per run
+        _quiet_orbax_failures()
+        options = ocp.CheckpointManagerOptions(enable_async_checkpointing=cfg.async_save)
         self.manager = ocp.CheckpointManager(self.directory, options=options,
                                              item_names=("state", "meta"))
 
     def save(self, step: int, state: TrainState, codecs: TrainState, model: GPTConfig,
              meta: dict) -> None:
-        """Writes the canonical form of ``state`` (asynchronously if configured)."""
+        """Writes the canonical form of ``state`` (asynchronously if configured), after
+        finishing the previous save. Raises SaveError naming the folder and the OS error."""
+        self.finish()
         if self._encode[0] is not codecs:
             self._encode = (codecs, jax.jit(lambda s: jax.tree.map(
                 lambda c, x: c.encode(x, model.vocab_size), codecs, s,
                 is_leaf=lambda c: isinstance(c, LeafCodec))))
         canonical = self._encode[1](state)
+        sums = checksums_by_leaf(canonical)
         leaves = {jax.tree_util.keystr(p): list(x.shape)
                   for p, x in jax.tree.leaves_with_path(canonical)}
-        record = {"format": FORMAT, "step": step, "leaves": leaves, **meta}
-        self.manager.save(step, args=ocp.args.Composite(
-            state=ocp.args.StandardSave(canonical), meta=ocp.args.JsonSave(record)))
+        record = {"format": FORMAT, "step": step, "leaves": leaves, "checksums": sums, **meta}
+        with self._writing(step):
+            self.manager.save(step, args=ocp.args.Composite(
+                state=ocp.args.StandardSave(canonical), meta=ocp.args.JsonSave(record)))
+        self._unfinished = (step, _abstract(canonical), sums)
+
+    def finish(self) -> None:
+        """Waits for the last save, reads it back (``verify``) and rotates old checkpoints."""
+        if self._unfinished is None:
+            return
+        self.wait()
+        step, abstract, sums = self._unfinished
+        self._unfinished = None
+        if self.cfg.verify:
+            self._compare(step, self._load(step, abstract), sums, "was written as")
+            self.verified.add(step)
+        self._rotate()
+
+    def check(self) -> None:
+        """Raises SaveError if a background save has failed (cheap: call every step)."""
+        with self._writing(self._unfinished[0] if self._unfinished else None):
+            self.manager.check_for_errors()
 
     def wait(self) -> None:
-        self.manager.wait_until_finished()
+        with self._writing(self._unfinished[0] if self._unfinished else None):
+            self.manager.wait_until_finished()
+
+    @contextlib.contextmanager
+    def _writing(self, step: int | None):
+        """Any failure of orbax's writers as one SaveError: the folder and the OS error."""
+        try:
+            yield
+        except Exception as err:
+            self._unfinished = None   # the previous checkpoint stays; this one never rotates
+            where = self.directory / str(step) if step is not None else self.directory
+            raise SaveError(f"saving checkpoint {where} failed: {_os_error(err)}") from None
+
+    def _rotate(self) -> None:
+        steps = self.all_steps()
+        keep = set(steps[-self.cfg.keep:])
+        if self.cfg.keep_period:
+            keep |= {s for s in steps if s % self.cfg.keep_period == 0}
+        newest_verified = max(self.verified & set(steps), default=None)
+        if newest_verified is not None and any(s > newest_verified and s not in self.verified
+                                               for s in steps):
+            keep.add(newest_verified)
+        for step in sorted(set(steps) - keep):
+            self.manager.delete(step)
+
+    def all_steps(self) -> list[int]:
+        return sorted(self.manager.all_steps())
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
@@ -168,13 +246,14 @@ class Checkpointer:
             return self.manager.restore(step, args=ocp.args.Composite(
                 meta=ocp.args.JsonRestore()))["meta"]
         except Exception as err:
-            raise CheckpointError(f"cannot read {self.directory / str(step) / 'meta'}: "
-                                  f"{type(err).__name__}: {err}") from None
+            raise CheckpointDamaged(f"checkpoint {self.directory / str(step)} is damaged: "
+                                    f"cannot read its meta ({_first_line(err)})") from None
 
     def restore(self, step: int, target: TrainState, codecs: TrainState,
                 model: GPTConfig) -> tuple[TrainState, dict]:
         """The checkpoint at ``step`` in the shape and shardings of ``target``
-        (abstract arrays with shardings): another mesh or layout is fine."""
+        (abstract arrays with shardings): another mesh or layout is fine. Raises
+        CheckpointDamaged if a file cannot be read or a leaf's checksum differs."""
         meta = self.read_meta(step)
         is_codec = lambda c: isinstance(c, LeafCodec)
         canonical = jax.eval_shape(
@@ -185,22 +264,51 @@ class Checkpointer:
                                  codecs, target, canonical, is_leaf=is_codec)
         abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                                 canonical, shardings)
-        try:
-            loaded = self.manager.restore(step, args=ocp.args.Composite(
-                state=ocp.args.StandardRestore(abstract)))["state"]
-        except Exception as err:
-            raise CheckpointError(f"cannot restore {self.directory / str(step)}: "
-                                  f"{type(err).__name__}: {str(err)[:500]}") from None
+        loaded = self._load(step, abstract)
+        self._compare(step, loaded, meta["checksums"], "was saved as")
+        self.verified.add(step)
         decode = lambda s: jax.tree.map(
             lambda c, t, x: c.decode(x, t.shape, model.vocab).astype(t.dtype), codecs, target, s,
             is_leaf=is_codec)
         out_shardings = jax.tree.map(lambda t: t.sharding, target)
         return jax.jit(decode, out_shardings=out_shardings)(loaded), meta
 
+    def _load(self, step: int, abstract):
+        try:
+            return self.manager.restore(step, args=ocp.args.Composite(
+                state=ocp.args.StandardRestore(abstract)))["state"]
+        except Exception as err:
+            raise CheckpointDamaged(f"checkpoint {self.directory / str(step)} is damaged: "
+                                    f"cannot read its arrays ({_first_line(err)})") from None
+
+    def _compare(self, step: int, loaded, sums: dict[str, str], verb: str) -> None:
+        """Raises CheckpointDamaged naming the first leaf whose checksum differs."""
+        got = checksums_by_leaf(loaded)
+        bad = [leaf for leaf in got if got[leaf] != sums.get(leaf)]
+        if bad:
+            raise CheckpointDamaged(
+                f"checkpoint {self.directory / str(step)} is damaged: leaf {bad[0]} reads back "
+                f"with checksum {got[bad[0]]} but {verb} {sums.get(bad[0])} "
+                f"({len(bad)} of {len(got)} leaves differ)")
+
+    def set_aside(self, step: int) -> Path:
+        """Moves a damaged checkpoint out of the way (to ``<dir>.damaged/STEP``), so the
+        step can be saved again; nothing is deleted. Returns where it went."""
+        where = self.directory.with_name(self.directory.name + ".damaged") / str(step)
+        if jax.process_index() == 0:
+            where.parent.mkdir(parents=True, exist_ok=True)
+            if where.exists():
+                shutil.rmtree(where)
+            (self.directory / str(step)).rename(where)
+        barrier(f"jmegatron set aside {step}")
+        self.manager.reload()
+        return where
+
     def _check_leaves(self, step: int, meta: dict, canonical) -> None:
         if meta.get("format") != FORMAT:
             raise CheckpointError(f"{self.directory / str(step)} has format "
-                                  f"{meta.get('format')}, expected {FORMAT}")
+                                  f"{meta.get('format')}, expected {FORMAT} (written by another "
+                                  "version of jmegatron)")
         want = {jax.tree_util.keystr(p): list(x.shape)
                 for p, x in jax.tree.leaves_with_path(canonical)}
         saved = meta["leaves"]
@@ -219,5 +327,55 @@ class Checkpointer:
                                   f"does not: {extra[:5]}")
 
     def close(self) -> None:
-        self.manager.wait_until_finished()
-        self.manager.close()
+        """Waits for a save in flight (its errors are the caller's to have seen) and closes."""
+        try:
+            self.manager.wait_until_finished()
+        finally:
+            self.manager.close()
+
+
+def _abstract(tree):
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+                        tree)
+
+
+def _os_error(err: BaseException) -> str:
+    """The operating system's words for why a write failed, and the file: from an
+    OSError, or from TensorStore's message (``... "PATH" ... [os_error_code='28']``)."""
+    first = err
+    while err is not None:
+        if isinstance(err, OSError):
+            return f"{err.strerror or err}" + (f" ({err.filename})" if err.filename else "")
+        text = str(err)
+        code = re.search(r"os_error_code='?(\d+)", text)
+        if code:
+            files = re.findall(r'"(/[^"]+)"', text)
+            return os.strerror(int(code.group(1))) + (f" (writing {files[-1]})" if files else "")
+        err = err.__cause__ or err.__context__
+    return _first_line(first)
+
+
+def _orbax_errors(record: logging.LogRecord) -> bool:
+    return not (record.levelno >= logging.ERROR and "orbax" in record.pathname)
+
+
+@functools.cache
+def _quiet_orbax_failures() -> None:
+    """A failed write makes orbax log the error with a traceback in each of its writer
+    threads, and TensorStore's callbacks then hit orbax's closed event loop (reported
+    through ``sys.unraisablehook``): hundreds of lines for one full disk. Each failure
+    reaches the user once instead, as the SaveError or CheckpointDamaged raised here."""
+    logging.getLogger("absl").addFilter(_orbax_errors)
+    previous = sys.unraisablehook
+
+    def hook(unraisable):
+        if not (isinstance(unraisable.exc_value, RuntimeError)
+                and str(unraisable.exc_value) == "Event loop is closed"):
+            previous(unraisable)
+
+    sys.unraisablehook = hook
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {text[0][:300] if text else ''}"

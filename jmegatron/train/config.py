@@ -3,10 +3,39 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Literal
 
 from jmegatron.models.config import GPTConfig
 from jmegatron.sharding.mesh import MeshConfig
+
+
+class ConfigError(Exception):
+    """A setting no run accepts. Not a ValueError on purpose: the CLI parser (tyro)
+    boxes ValueErrors of nested settings, and this should reach the user as one line."""
+
+
+def require(flag: str, value, ok: bool, want: str) -> None:
+    """Raises ConfigError naming the flag, its value and what it must be."""
+    if not ok:
+        raise ConfigError(f"--{flag} {value!r}: must be {want}")
+
+
+def positive(v) -> bool:
+    return v is not None and math.isfinite(v) and v > 0
+
+
+def non_negative(v) -> bool:
+    return v is not None and math.isfinite(v) and v >= 0
+
+
+def beta(v) -> bool:
+    """A decay rate of an exponential moving average."""
+    return v is not None and 0 <= v < 1
+
+
+def fraction(v) -> bool:
+    return v is not None and 0 <= v <= 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -18,6 +47,10 @@ class DataConfig:
     made by `python -m experiments.prepare_data`. Default: the Python stdlib sources."""
     val_fraction: float = 0.05
     """Share of files (or of the token stream) held out for validation."""
+
+    def __post_init__(self):
+        require("data.val-fraction", self.val_fraction, 0 < self.val_fraction < 1,
+                "between 0 and 1 (exclusive)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,6 +65,13 @@ class ScheduleConfig:
     decay_fraction: float = 0.2
     """wsd only: the share of steps spent decaying at the end."""
 
+    def __post_init__(self):
+        require("schedule.warmup-steps", self.warmup_steps, self.warmup_steps >= 0, ">= 0")
+        require("schedule.min-lr-ratio", self.min_lr_ratio, fraction(self.min_lr_ratio),
+                "in [0, 1]")
+        require("schedule.decay-fraction", self.decay_fraction,
+                fraction(self.decay_fraction) and self.decay_fraction > 0, "in (0, 1]")
+
 
 @dataclasses.dataclass(frozen=True)
 class AdamWConfig:
@@ -42,6 +82,12 @@ class AdamWConfig:
     b1: float = 0.9
     b2: float = 0.95
     eps: float = 1e-8
+
+    def __post_init__(self):
+        require("adamw.lr", self.lr, self.lr is None or positive(self.lr), "a finite number > 0")
+        for name in ("b1", "b2"):
+            require(f"adamw.{name}", getattr(self, name), beta(getattr(self, name)), "in [0, 1)")
+        require("adamw.eps", self.eps, non_negative(self.eps), "a finite number >= 0")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,6 +118,13 @@ class MuonConfig:
     """Newton-Schulz's symmetric products (X X^T, A A) on the Pallas SYRK kernel, lower
     tiles only (GPU; elsewhere the plain jnp products run and FLOPs count as such)."""
 
+    def __post_init__(self):
+        require("muon.momentum", self.momentum, beta(self.momentum), "in [0, 1)")
+        require("muon.ns-steps", self.ns_steps, self.ns_steps is None or self.ns_steps >= 1,
+                ">= 1")
+        require("muon.rms-factor", self.rms_factor,
+                self.rms_factor is None or positive(self.rms_factor), "a finite number > 0")
+
 
 @dataclasses.dataclass(frozen=True)
 class SoapConfig:
@@ -87,6 +140,15 @@ class SoapConfig:
     max_precond_dim: int = 10_000
     """A matrix side longer than this is not preconditioned (one-sided SOAP)."""
 
+    def __post_init__(self):
+        for name in ("b1", "b2", "shampoo_beta"):
+            value = getattr(self, name)
+            require(f"soap.{name.replace('_', '-')}", value,
+                    (value is None and name == "shampoo_beta") or beta(value), "in [0, 1)")
+        require("soap.eps", self.eps, non_negative(self.eps), "a finite number >= 0")
+        require("soap.precondition-frequency", self.precondition_frequency,
+                self.precondition_frequency >= 1, ">= 1")
+
 
 @dataclasses.dataclass(frozen=True)
 class CheckpointConfig:
@@ -100,6 +162,17 @@ class CheckpointConfig:
     """Also keep every checkpoint whose step is a multiple of this."""
     async_save: bool = True
     """Write in the background while training continues."""
+    verify: bool = True
+    """Read each finished checkpoint back and compare its checksums before older ones are
+    rotated out (costs one read of the checkpoint; without it, written checkpoints count
+    as unverified and the newest verified one is kept as well)."""
+
+    def __post_init__(self):
+        require("checkpoint.every", self.every, self.every >= 0, ">= 0 (0: only at the end)")
+        require("checkpoint.keep", self.keep, self.keep >= 1,
+                ">= 1 (the newest checkpoint is always kept)")
+        require("checkpoint.keep-period", self.keep_period,
+                self.keep_period is None or self.keep_period >= 1, ">= 1")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,6 +241,14 @@ class TrainConfig:
     resume_from: str | None = None
     """Start from a checkpoint folder (run/checkpoints) or one step of it (run/checkpoints/200),
     possibly written on another mesh or layout."""
+    overwrite: bool = False
+    """Delete what the run folder out_dir/name holds (checkpoints first) and start afresh."""
+    allow_change: tuple[str, ...] = ()
+    """On resume, settings that may differ from the checkpoint's run (e.g. steps lr
+    schedule.kind; a group such as muon or model allows all its fields); every other
+    change of model, optimizer, seed, batch, sequence length or schedule is refused."""
+    max_skipped: int = 10
+    """Stop the run after this many consecutive skipped (non-finite) steps."""
     steps: int = 300
     """Optimizer steps to take."""
     batch_size: int = 32
@@ -205,12 +286,18 @@ class TrainConfig:
         checks = {"steps": self.steps, "batch_size": self.batch_size, "seq_len": self.seq_len,
                   "microbatches": self.microbatches, "eval_every": self.eval_every,
                   "eval_batches": self.eval_batches, "log_every": self.log_every}
-        bad = {k: v for k, v in checks.items() if v < 1}
-        if bad:
-            raise ValueError(f"these settings must be >= 1: {bad}")
-        if self.batch_size % self.microbatches:
-            raise ValueError(f"batch_size={self.batch_size} is not divisible by "
-                             f"microbatches={self.microbatches}")
+        checks.update(max_skipped=self.max_skipped, top_k=self.top_k, cpu_devices=self.cpu_devices)
+        for name, value in checks.items():
+            require(name.replace("_", "-"), value, value >= 1, ">= 1")
+        require("stop-after", self.stop_after, self.stop_after is None or self.stop_after >= 1,
+                ">= 1")
+        require("lr", self.lr, positive(self.lr), "a finite number > 0")
+        for name in ("weight_decay", "grad_clip", "z_loss"):
+            require(name.replace("_", "-"), getattr(self, name),
+                    non_negative(getattr(self, name)), "a finite number >= 0")
+        require("sample-tokens", self.sample_tokens, self.sample_tokens >= 0, ">= 0")
+        require("microbatches", self.microbatches, self.batch_size % self.microbatches == 0,
+                f"a divisor of --batch-size {self.batch_size}")
 
     @property
     def microbatch_size(self) -> int:

@@ -186,6 +186,12 @@ def is_main() -> bool:
     return jax.process_index() == 0
 
 
+def barrier(name: str) -> None:
+    """Every process waits here until all have arrived (nothing with one process)."""
+    if jax.process_count() > 1:
+        multihost_utils.sync_global_devices(name)
+
+
 def same_on_all(value: int) -> int:
     """Process 0's ``value`` (an integer, |value| < 2**62), on every process."""
     if jax.process_count() == 1:

@@ -23,9 +23,11 @@ from jmegatron.models import GPT, GPTConfig, validate_sharding
 from jmegatron.sharding import MeshConfig, Rules, logical_to_spec, make_mesh
 from jmegatron.sharding.layouts import Layout, make_layout
 from jmegatron.sharding import rules as ax
-from jmegatron.train.checkpoint import Checkpointer, CheckpointError, leaf_codecs
+from jmegatron.train import run_folder
+from jmegatron.train.checkpoint import (Checkpointer, CheckpointDamaged, CheckpointError, FORMAT,
+                                        leaf_codecs)
 from jmegatron.train.config import TrainConfig
-from jmegatron.train.distributed import AnyProcess, is_main, same_on_all
+from jmegatron.train.distributed import AnyProcess, barrier, is_main, same_on_all
 from jmegatron.train.metrics import MetricsWriter, jsonable, measure_matmul_rate
 from jmegatron.train.optimizer import make_optimizer
 from jmegatron.train.plots import plot_runs
@@ -52,6 +54,7 @@ class Plan:
     model: GPTConfig         # vocabulary padded for the mesh, layers grouped for the layout
     corpus: Corpus
     layout: Layout
+    run_dir: Path            # out_dir/name, checked: writable, and no other run's folder
 
     @property
     def rules(self) -> Rules:
@@ -72,18 +75,34 @@ def plan_run(cfg: TrainConfig) -> Plan:
     if cfg.model.vocab_size < corpus.vocab_size:
         raise ValueError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the "
                          f"corpus vocabulary ({corpus.vocab_size}, {corpus.source!r})")
+    if cfg.top_k > cfg.model.vocab_size:
+        raise ValueError(f"--top-k {cfg.top_k}: must be at most the vocabulary "
+                         f"(model.vocab_size={cfg.model.vocab_size})")
     layout = make_layout(cfg.layout, mesh.sizes(), assignment=cfg.assignment)
     model = dataclasses.replace(cfg.model.pad_vocab(mesh.tensor), layer_group=layout.layer_group)
     validate_sharding(model.logical_dims(), mesh.sizes(), layout.rules, cfg.microbatch_size)
-    return Plan(mesh, model, corpus, layout)
+    run_folder.check_out_dir(cfg.out_dir)
+    name = cfg.name or time.strftime(   # process 0's clock, on every process
+        "%Y%m%d-%H%M%S", time.localtime(same_on_all(int(time.time()))))
+    run_dir = Path(cfg.out_dir) / name
+    run_folder.check_run_folder(run_dir, cfg)
+    return Plan(mesh, model, corpus, layout, run_dir)
+
+
+class TrainingError(RuntimeError):
+    """A run that cannot go on (its message is one line); the last checkpoint stays."""
 
 
 class Trainer:
     """Everything a run needs, built once; ``run()`` trains."""
 
-    def __init__(self, cfg: TrainConfig, plan: Plan | None = None, log=print):
+    def __init__(self, cfg: TrainConfig, plan: Plan | None = None, log=print,
+                 resume_command: str | None = None):
         plan = plan or plan_run(cfg)
         self.cfg, self.log = cfg, log if is_main() else (lambda *args, **kwargs: None)
+        self.resume_command = resume_command or (
+            f"the same settings with --resume --name {plan.run_dir.name} "
+            f"--out-dir {plan.run_dir.parent}")
         self.mesh_cfg, self.model_cfg, self.corpus, self.layout = (
             plan.mesh, plan.model, plan.corpus, plan.layout)
         self.rules = plan.rules
@@ -97,10 +116,13 @@ class Trainer:
                                                        self.rules, self.optimizer.placed)
         self.codecs = leaf_codecs(self.state, abstract_params, self.model_cfg,
                                   self.optimizer.state_placement)
-        name = cfg.name or time.strftime(   # process 0's clock, on every process
-            "%Y%m%d-%H%M%S", time.localtime(same_on_all(int(time.time()))))
-        self.run_dir = Path(cfg.out_dir) / name
+        self.run_dir = plan.run_dir
+        if cfg.overwrite:
+            if is_main():
+                run_folder.clear_run_folder(self.run_dir)
+            barrier("jmegatron overwrite")
         self.checkpointer = Checkpointer(self.run_dir / "checkpoints", cfg.checkpoint)
+        self.resumed: dict = {}   # where this run continues from, and what it changed
         self.start_step = self._resume() if cfg.resume or cfg.resume_from else 0
         loss_fn = make_loss_fn(self.graphdef, self.model_cfg, self.mesh, self.rules, cfg.z_loss)
         self.train_step = make_train_step(loss_fn, self.optimizer, cfg.microbatches,
@@ -110,7 +132,9 @@ class Trainer:
                                     cfg.top_k)
 
     def _resume(self) -> int:
-        """Restores the checkpoint ``--resume``/``--resume-from`` names; returns its step."""
+        """Restores the checkpoint ``--resume``/``--resume-from`` names; returns its step.
+        Without an explicit step, a damaged checkpoint is reported and the next older one
+        tried; damaged ones of this run's own folder are set aside (kept, not deleted)."""
         source, step = self.checkpointer, None
         if self.cfg.resume_from:
             path = Path(self.cfg.resume_from)
@@ -120,20 +144,57 @@ class Trainer:
                 raise CheckpointError(f"no checkpoint folder at {path}")
             source = Checkpointer(path, dataclasses.replace(self.cfg.checkpoint,
                                                             async_save=False))
-        step = source.latest_step() if step is None else step
-        if step is None:
+        candidates = [step] if step is not None else source.all_steps()[::-1]
+        if not candidates:
             raise CheckpointError(f"no complete checkpoint in {source.directory}")
+        damaged = []
+        for candidate in candidates:
+            try:
+                meta = self._restore(source, candidate)
+                break
+            except CheckpointDamaged as err:
+                if step is not None:
+                    raise
+                self.log(f"warning: {err}; trying the one before")
+                damaged.append(candidate)
+        else:
+            raise CheckpointError(f"no checkpoint in {source.directory} verifies "
+                                  f"(steps {', '.join(map(str, damaged))} are damaged)")
+        where = source.directory / str(candidate)
+        self.log(f"resumed from {where} (written with layout {meta.get('layout')}, mesh "
+                 f"{meta.get('mesh')}; checksums verified)")
+        if source is self.checkpointer:
+            for bad in damaged:
+                self.log(f"set the damaged checkpoint {bad} aside: {source.set_aside(bad)}")
+            if is_main():
+                run_folder.trim_records(self.run_dir, int(meta["step"]))
+        return int(meta["step"])
+
+    def _restore(self, source: Checkpointer, step: int) -> dict:
+        """Restores ``step`` into ``self.state`` after checking the resume contract."""
+        meta = source.read_meta(step)
+        where = source.directory / str(step)
+        changes = {}
+        if meta.get("format") == FORMAT:   # older formats are refused by restore itself
+            changes = run_folder.changed_settings(meta["run"], run_folder.run_settings(self.cfg))
+            refused = run_folder.refused_changes(changes, self.cfg.allow_change)
+            if refused:
+                raise CheckpointError(
+                    f"{where} was written by a run with other settings "
+                    f"({run_folder.describe_changes(refused)}): resume with the run's own "
+                    f"settings, or accept the change with --allow-change {' '.join(refused)}")
         target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
                               self.state)
         self.state, meta = source.restore(step, target, self.codecs, self.model_cfg)
-        self.log(f"resumed from {source.directory / str(step)} (written with layout "
-                 f"{meta.get('layout')}, mesh {meta.get('mesh')})")
-        return int(meta["step"])
+        self.resumed = {"step": int(meta["step"]), "from": str(where),
+                        "changes": {k: list(v) for k, v in changes.items()}}
+        return meta
 
     def save(self, step: int) -> None:
         """Writes a checkpoint of the current state (in the background if configured)."""
         meta = {"seed": self.cfg.seed, "optim": self.cfg.optim, "layout": self.layout.name,
-                "mesh": self.mesh_cfg.sizes(), "model": dataclasses.asdict(self.model_cfg)}
+                "mesh": self.mesh_cfg.sizes(), "model": dataclasses.asdict(self.model_cfg),
+                "run": run_folder.run_settings(self.cfg)}
         self.checkpointer.save(step, self.state, self.codecs, self.model_cfg, meta)
 
     def batch(self, step: int) -> jax.Array:
@@ -165,9 +226,11 @@ class Trainer:
             # With several processes an error here is usually a dead peer: waiting for an
             # async save (and its cross-process barrier) would hold this process until the
             # heartbeat ends it. Leave the save unfinished (the last complete checkpoint
-            # stays) so that fail_fast can exit at once. One process waits and closes.
+            # stays) so that fail_fast can exit at once. One process waits and closes; a
+            # failed save reports itself once, as the error being raised.
             if jax.process_count() == 1:
-                self.checkpointer.close()
+                with contextlib.suppress(Exception):
+                    self.checkpointer.close()
             raise
         run.close()
         self.checkpointer.close()
@@ -183,7 +246,7 @@ class Run:
         self.main = is_main()   # process 0 writes every output; the others only compute
         if self.main:
             self.dir.mkdir(parents=True, exist_ok=True)
-        resumed_here = cfg.resume and trainer.start_step > 0
+        resumed_here = cfg.resume and trainer.start_step > 0   # metrics were trimmed to it
         self.metrics = MetricsWriter(self.dir, append=resumed_here) if self.main else Discard()
         if self.main and not resumed_here:
             (self.dir / "samples.txt").write_text("")
@@ -201,9 +264,16 @@ class Run:
                   "padded_vocab": t.model_cfg.vocab, "params": t.model_cfg.param_count(),
                   "optimizer_flops_per_step": t.optimizer.flops_per_step,
                   "corpus": t.corpus.source, "devices": [str(d) for d in jax.devices()],
-                  "processes": jax.process_count()}
+                  "processes": jax.process_count(), "resumes": self._resumes()}
         (self.dir / "config.json").write_text(json.dumps(record, indent=2))
         (self.dir / "routing.txt").write_text(t.optimizer.routing_table + "\n")
+
+    def _resumes(self) -> list[dict]:
+        """Every resume of this run folder (step, source, accepted setting changes)."""
+        t, path = self.t, self.dir / "config.json"
+        earlier = (json.loads(path.read_text()).get("resumes", [])
+                   if t.cfg.resume and path.exists() else [])
+        return earlier + ([t.resumed] if t.resumed else [])
 
     def _announce(self) -> None:
         t = self.t
@@ -226,9 +296,14 @@ class Run:
         anyone = AnyProcess()   # all processes stop at the same step when one is signalled
         start = time.perf_counter()
         mark, mark_step, last, eval_loss = start, t.start_step, {}, float("nan")
+        previous = None   # (step, skipped flag) of the step before: read without waiting
         for step in range(t.start_step, cfg.steps):
             t.state, metrics = t.train_step(t.state, t.batch(step))
             done = step + 1
+            if previous is not None:
+                self._count_skip(*previous)
+            previous = (done, metrics["skipped"])
+            t.checkpointer.check()   # a background save that failed stops the run here
             first = done == t.start_step + 1
             if first or done % cfg.log_every == 0 or done == cfg.steps:
                 metrics = jax.device_get(metrics)
@@ -238,7 +313,7 @@ class Run:
                 last = self._log_step(done, metrics, float("nan") if first else dt)
                 mark, mark_step = now, done
                 bar.set_postfix(loss=f"{last['loss']:.3f}", tok_s=f"{tokens_per_step / dt:,.0f}")
-            if done % cfg.eval_every == 0 or done == cfg.steps:
+            if done % cfg.eval_every == 0 and done != cfg.steps:
                 eval_loss = self._evaluate(done)
                 # Evaluation time is not training time.
                 mark, mark_step = time.perf_counter(), done
@@ -251,16 +326,42 @@ class Run:
             if cfg.checkpoint.every and done % cfg.checkpoint.every == 0 and done != cfg.steps:
                 t.save(done)
         bar.close()
+        if previous is not None:
+            self._count_skip(*previous)
+        seconds = time.perf_counter() - start
         t.save(cfg.steps)
-        return self._summarize(time.perf_counter() - start, last, eval_loss)
+        t.checkpointer.finish()   # written (and read back) before anything else can fail
+        error = None
+        try:
+            eval_loss = self._evaluate(cfg.steps)
+        except Exception as err:   # the checkpoint is safe: report, keep the summary
+            error = (f"the final evaluation failed ({type(err).__name__}: "
+                     f"{str(err).strip().splitlines()[0][:300] if str(err).strip() else ''}); "
+                     f"the checkpoint {t.checkpointer.directory / str(cfg.steps)} is saved")
+            t.log(f"error: {error}")
+        return self._summarize(seconds, last, eval_loss, error)
+
+    def _count_skip(self, step: int, skipped: jax.Array) -> None:
+        """Counts consecutive skipped steps; raises TrainingError at --max-skipped."""
+        self.skips_in_a_row = self.skips_in_a_row + 1 if bool(skipped) else 0
+        n = self.skips_in_a_row
+        if n >= self.t.cfg.max_skipped:
+            latest = self.t.checkpointer.latest_step()
+            last = ("none" if latest is None else self.t.checkpointer.directory / str(latest))
+            raise TrainingError(
+                f"{n} steps in a row were skipped up to step {step} (non-finite loss, gradients, "
+                f"params or optimizer state; the state is that after step {step - n}); the last "
+                f"checkpoint is {last}. Try a lower --lr (--max-skipped sets the patience)")
+
+    skips_in_a_row = 0
 
     def _stopped(self, step: int, signal_name: str) -> dict:
         t = self.t
         t.save(step)
-        t.checkpointer.wait()
+        t.checkpointer.finish()
         where = t.checkpointer.directory / str(step)
-        t.log(f"stopped by {signal_name} at step {step}; checkpoint saved in {where} "
-              f"(continue with --resume --name {t.run_dir.name} --out-dir {t.run_dir.parent})")
+        t.log(f"stopped by {signal_name} at step {step}; checkpoint saved in {where}\n"
+              f"continue with: {t.resume_command}")
         return {"stopped": signal_name, "steps": step, "checkpoint": str(where),
                 "run_dir": str(t.run_dir)}
 
@@ -279,27 +380,29 @@ class Run:
     def _evaluate(self, step: int) -> float:
         loss = self.t.evaluate()
         greedy, top_k = self.t.samples(step)
-        self.metrics.write({"step": step, "eval_loss": loss, "eval_ppl": math.exp(loss),
+        self.metrics.write({"step": step, "eval_loss": loss, "eval_ppl": perplexity(loss),
                             "sample_greedy": greedy, "sample_top_k": top_k})
         if not self.main:
             return loss
         with (self.dir / "samples.txt").open("a") as f:
             f.write(f"=== step {step} | val loss {loss:.3f}\n--- greedy\n{greedy}\n"
                     f"--- top-{self.t.cfg.top_k}\n{top_k}\n\n")
-        tqdm.write(f"step {step}: val loss {loss:.3f} (ppl {math.exp(loss):.2f})\n"
+        tqdm.write(f"step {step}: val loss {loss:.3f} (ppl {perplexity(loss):.2f})\n"
                    f"  greedy: {greedy[:120]!r}\n  top-k:  {top_k[:120]!r}")
         return loss
 
-    def _summarize(self, seconds: float, last: dict, eval_loss: float) -> dict:
+    def _summarize(self, seconds: float, last: dict, eval_loss: float,
+                   error: str | None = None) -> dict:
         t = self.t
         summary = jsonable({
             "steps": t.cfg.steps, "seconds": seconds, "train_loss": last.get("loss"),
-            "val_loss": eval_loss, "val_ppl": math.exp(eval_loss),
+            "val_loss": eval_loss, "val_ppl": perplexity(eval_loss),
             "val_unigram_entropy": self.entropy, "val_loss_over_entropy": eval_loss / self.entropy,
             "tokens_per_s": last.get("tokens_per_s"), "mfu": last.get("mfu"),
             "model_flops_per_s": last.get("model_flops_per_s"),
             "optimizer_flops_per_s": last.get("optimizer_flops_per_s"),
-            "skipped_steps": int(t.state.skipped), "run_dir": str(self.dir)})
+            "skipped_steps": int(t.state.skipped), "run_dir": str(self.dir),
+            **({"error": error} if error else {})})
         if self.main:
             (self.dir / "summary.json").write_text(json.dumps(summary, indent=2))
             plot_runs([self.dir], self.dir / "loss.png")
@@ -316,6 +419,11 @@ class Run:
 
     def close(self) -> None:
         self.metrics.close()
+
+
+def perplexity(loss: float) -> float:
+    """exp(loss), inf where that overflows a float (a diverged run), NaN for NaN."""
+    return math.inf if loss > 709 else math.exp(loss)
 
 
 class Discard:
@@ -351,6 +459,7 @@ def stop_on_signals():
             signal.signal(s, h)
 
 
-def train(cfg: TrainConfig, plan: Plan | None = None) -> dict:
-    """Runs one training and returns its summary."""
-    return Trainer(cfg, plan).run()
+def train(cfg: TrainConfig, plan: Plan | None = None, resume_command: str | None = None) -> dict:
+    """Runs one training and returns its summary (``resume_command``: what the stop
+    message tells the user to run to continue)."""
+    return Trainer(cfg, plan, resume_command=resume_command).run()

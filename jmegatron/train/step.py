@@ -66,8 +66,9 @@ def accumulate_grads(loss_fn: LossFn, params: nnx.State, micro: jax.Array):
 def make_train_step(loss_fn: LossFn, optimizer: Optimizer, microbatches: int,
                     mesh: jax.sharding.Mesh,
                     rules: Rules) -> Callable[[TrainState, jax.Array], tuple[TrainState, dict]]:
-    """A jitted step (state donated). A step whose loss or gradients are not finite
-    leaves params and optimizer state bitwise unchanged and is counted as skipped."""
+    """A jitted step (state donated). A step whose loss, gradients, new params or new
+    optimizer state are not all finite leaves params and optimizer state bitwise
+    unchanged and is counted as skipped."""
 
     def train_step(state: TrainState, tokens: jax.Array):
         micro = split_microbatches(tokens, microbatches, mesh, rules)
@@ -76,7 +77,8 @@ def make_train_step(loss_fn: LossFn, optimizer: Optimizer, microbatches: int,
         updates, opt_state = optimizer.tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         params = balance_expert_bias(params, state.params, aux)   # MoE only
-        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+        finite = (jnp.isfinite(loss) & jnp.isfinite(grad_norm) & all_finite(params)
+                  & all_finite(opt_state))
         keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
         new_state = TrainState(state.step + 1, keep(params, state.params),
                                keep(opt_state, state.opt_state),
@@ -88,6 +90,13 @@ def make_train_step(loss_fn: LossFn, optimizer: Optimizer, microbatches: int,
         return new_state, metrics
 
     return jax.jit(train_step, donate_argnums=0)
+
+
+def all_finite(tree) -> jax.Array:
+    """True when no floating-point leaf of ``tree`` holds a NaN or an inf."""
+    flags = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)
+             if jnp.issubdtype(x.dtype, jnp.inexact)]
+    return jnp.all(jnp.stack(flags)) if flags else jnp.bool_(True)
 
 
 def make_eval_step(loss_fn: LossFn) -> Callable[[nnx.State, jax.Array], jax.Array]:

@@ -1,0 +1,356 @@
+"""Nothing lost, nothing silent: damaged checkpoints, reused run folders, the resume
+contract, bad numbers, long runs of skipped steps, failures at the end, full disks.
+
+One small run (6 steps, checkpoints at 2, 4 and 6) is trained once for the module;
+each test damages or continues its own copy of it."""
+
+import contextlib
+import json
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from experiments import train as train_cli
+from jmegatron.train import TrainConfig, Trainer
+from jmegatron.train.checkpoint import (CheckpointConfig, CheckpointDamaged, Checkpointer,
+                                        LeafCodec)
+from jmegatron.train.checksum import checksums_by_leaf, tree_checksums
+from jmegatron.train.loop import perplexity
+from jmegatron.models import GPTConfig
+
+SMALL = ["--model.d-model", "32", "--model.n-layers", "2", "--model.n-heads", "2",
+         "--model.n-kv-heads", "2", "--model.d-ff", "64", "--batch-size", "8", "--seq-len", "32",
+         "--eval-batches", "1", "--sample-tokens", "8", "--no-progress", "--log-every", "1",
+         "--eval-every", "3"]
+RUN = SMALL + ["--steps", "6", "--checkpoint.every", "2"]
+
+
+def main(*args) -> str | None:
+    """Runs the CLI in this process; returns the error line it exits with (None if none)."""
+    try:
+        train_cli.main(list(args))
+    except SystemExit as stop:
+        return stop.code
+    return None
+
+
+def cli(*args) -> subprocess.CompletedProcess:
+    """The CLI in a fresh process, stdout and stderr together."""
+    return subprocess.run([sys.executable, "-m", "experiments.train", *args], timeout=600,
+                          capture_output=True, text=True)
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> Path:
+    base = tmp_path_factory.mktemp("trained")
+    assert main(*RUN, "--out-dir", str(base), "--name", "run") is None
+    return base / "run"
+
+
+@pytest.fixture
+def run(trained, tmp_path) -> Path:
+    """A copy of the trained run folder, in ``tmp_path/runs/run``."""
+    copy = tmp_path / "runs" / "run"
+    shutil.copytree(trained, copy)
+    return copy
+
+
+@pytest.fixture(scope="module")
+def reader(trained, tmp_path_factory):
+    """A trainer of the same model, for restoring checkpoints of the run by hand."""
+    cfg = train_cli.parse(RUN + ["--out-dir", str(tmp_path_factory.mktemp("reader"))])
+    trainer = Trainer(cfg, log=lambda *a: None)
+    target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+                          trainer.state)
+    return lambda folder, step: Checkpointer(folder).restore(step, target, trainer.codecs,
+                                                             trainer.model_cfg)
+
+
+def meta(folder: Path, step: int) -> dict:
+    return Checkpointer(folder).read_meta(step)
+
+
+def records(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def largest_file(folder: Path) -> Path:
+    return max((f for f in folder.rglob("*") if f.is_file()), key=lambda f: f.stat().st_size)
+
+
+def flip(path: Path, n: int = 4096) -> None:
+    data = bytearray(path.read_bytes())
+    middle = len(data) // 2 - n // 2
+    data[middle:middle + n] = bytes(b ^ 0xFF for b in data[middle:middle + n])
+    path.write_bytes(bytes(data))
+
+
+# --- checksums --------------------------------------------------------------------------
+
+def test_checksums_do_not_depend_on_the_sharding_and_see_any_change():
+    mesh = jax.make_mesh((2, 4), ("a", "b"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    x = jax.random.normal(jax.random.key(0), (8, 12, 6))
+    tree = {"f32": x, "bf16": x.astype(jnp.bfloat16), "i32": jnp.arange(7, dtype=jnp.int32),
+            "bool": x > 0}
+    want = checksums_by_leaf(tree)
+    for spec in (jax.P("a", "b"), jax.P(None, ("a", "b")), jax.P("b", None, "a")):
+        placed = jax.device_put(x, jax.NamedSharding(mesh, spec))
+        assert checksums_by_leaf({**tree, "f32": placed}) == want
+    changed = [x.at[3, 4, 5].set(jnp.nextafter(x[3, 4, 5], jnp.inf)),   # one bit
+               x.at[0, 0, :2].set(x[0, 0, 1::-1]),                       # two swapped
+               x.reshape(12, 8, 6), jnp.zeros_like(x)]
+    for other in changed:
+        assert checksums_by_leaf({"f32": other})["['f32']"] != want["['f32']"]
+    assert tree_checksums(x).dtype == jnp.uint32
+
+
+# --- damaged checkpoints ------------------------------------------------------------------
+
+def swap_state(folder: Path, step: int, other: int) -> None:
+    """The arrays of another step under this step's meta: every file reads fine."""
+    shutil.rmtree(folder / str(step) / "state")
+    shutil.copytree(folder / str(other) / "state", folder / str(step) / "state")
+
+
+DAMAGE = {
+    "4_KiB_flipped": lambda folder: flip(largest_file(folder / "6" / "state")),
+    "files_of_another_step": lambda folder: swap_state(folder, 6, 4),
+    "metadata_deleted": lambda folder: (folder / "6" / "state" / "_METADATA").unlink(),
+    "truncated": lambda folder: largest_file(folder / "6" / "state").write_bytes(b""),
+    "meta_deleted": lambda folder: shutil.rmtree(folder / "6" / "meta"),
+}
+
+
+@pytest.mark.parametrize("damage", DAMAGE)
+def test_a_damaged_checkpoint_is_refused_with_one_line(damage, run, reader):
+    folder = run / "checkpoints"
+    DAMAGE[damage](folder)
+    with pytest.raises(CheckpointDamaged) as err:
+        reader(folder, 6)
+    message = str(err.value)
+    assert message.startswith(f"checkpoint {folder / '6'} is damaged: ") and "\n" not in message
+    if damage == "files_of_another_step":
+        assert "reads back with checksum" in message
+    restored, _ = reader(folder, 4)   # the one before is untouched and verifies
+    assert int(restored.step) == 4
+
+
+def test_resume_falls_back_to_the_newest_checkpoint_that_verifies(run, trained):
+    flip(largest_file(run / "checkpoints" / "6" / "state"))
+    proc = cli(*RUN, "--out-dir", str(run.parent), "--name", "run", "--resume")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    assert f"checkpoint {run / 'checkpoints' / '6'} is damaged" in out
+    assert f"resumed from {run / 'checkpoints' / '4'}" in out
+    assert "Traceback" not in out
+    assert (run / "checkpoints.damaged" / "6").is_dir()   # set aside, not deleted
+    # Steps 5 and 6 again, bitwise: the new checkpoint 6 equals the one that was damaged.
+    assert meta(run / "checkpoints", 6)["checksums"] == meta(trained / "checkpoints", 6)["checksums"]
+    steps = [r["step"] for r in records(run) if "loss" in r]
+    assert steps == [1, 2, 3, 4, 5, 6]   # the lost steps appear once
+    want = {r["step"]: r["loss"] for r in records(trained) if "loss" in r}
+    assert {r["step"]: r["loss"] for r in records(run) if "loss" in r} == want
+
+
+# --- rotation -----------------------------------------------------------------------------
+
+def small_saver(folder, **options):
+    saver = Checkpointer(folder, CheckpointConfig(async_save=False, **options))
+    tree = lambda v: {"w": jnp.full((4, 4), float(v))}
+    save = lambda step: saver.save(step, tree(step), {"w": LeafCodec()}, GPTConfig(), {})
+    target = {"w": jax.ShapeDtypeStruct((4, 4), jnp.float32,
+                                        sharding=jax.sharding.SingleDeviceSharding(jax.devices()[0]))}
+    restore = lambda step: saver.restore(step, target, {"w": LeafCodec()}, GPTConfig())[0]["w"]
+    return saver, save, restore
+
+
+def test_rotation_keeps_the_verified_checkpoint_when_a_newer_one_does_not_read_back(tmp_path):
+    saver, save, restore = small_saver(tmp_path, keep=1)
+    save(1)
+    save(2)   # finishes 1: read back, verified, nothing to rotate yet
+    assert saver.verified == {1}
+    swap_state(tmp_path, 2, 1)   # 2 is damaged before it is read back
+    with pytest.raises(CheckpointDamaged, match=f"checkpoint {tmp_path / '2'} is damaged"):
+        saver.finish()
+    assert saver.all_steps() == [1, 2]   # keep=1, but 1 is the newest that verified
+    np.testing.assert_array_equal(restore(1), np.ones((4, 4)))
+    save(3)
+    saver.finish()   # 3 verifies: now 1 and 2 may go
+    assert saver.all_steps() == [3] and float(restore(3)[0, 0]) == 3.0
+
+
+def test_without_read_back_the_newest_verified_checkpoint_stays(tmp_path):
+    saver, save, restore = small_saver(tmp_path, keep=1, verify=False)
+    save(1)
+    saver.finish()
+    restore(1)   # verified by reading it
+    for step in (2, 3):
+        save(step)
+        saver.finish()
+    assert saver.all_steps() == [1, 3]
+
+
+# --- run folders and the resume contract ----------------------------------------------------
+
+def test_reusing_a_run_folder_is_refused(run):
+    before = (run / "metrics.jsonl").read_bytes()
+    error = main(*RUN, "--out-dir", str(run.parent), "--name", "run")
+    assert error == (f"error: run folder {run} already holds a run (checkpoints 2, 4, 6): continue "
+                     "it with --resume, start another with a new --name, or replace it with "
+                     "--overwrite")
+    assert (run / "metrics.jsonl").read_bytes() == before
+
+
+def test_overwrite_clears_the_old_run_first(run):
+    assert main(*SMALL, "--steps", "2", "--out-dir", str(run.parent), "--name", "run",
+                "--overwrite") is None
+    assert Checkpointer(run / "checkpoints").all_steps() == [2]
+    assert [r["step"] for r in records(run) if "loss" in r] == [1, 2]
+
+
+def test_resume_with_other_settings_is_refused_naming_both_values(run):
+    error = main(*SMALL, "--steps", "10", "--seed", "1", "--lr", "1e-3", "--out-dir",
+                 str(run.parent), "--name", "run", "--resume")
+    assert error.startswith(f"error: {run / 'checkpoints' / '6'} was written by a run with other "
+                            "settings (lr: 0.003 -> 0.001, seed: 0 -> 1, steps: 6 -> 10)")
+    assert error.endswith("--allow-change lr seed steps") and "\n" not in error
+
+
+def test_an_allowed_change_is_recorded_and_metrics_do_not_repeat(run):
+    # A crash after step 5 would leave records past the last checkpoint (4): fake one.
+    with (run / "metrics.jsonl").open("a") as f:
+        f.write(json.dumps({"step": 7, "loss": 9.0}) + "\n")
+    shutil.rmtree(run / "checkpoints" / "6")
+    assert main(*SMALL, "--steps", "8", "--allow-change", "steps", "--out-dir", str(run.parent),
+                "--name", "run", "--resume") is None
+    resumes = json.loads((run / "config.json").read_text())["resumes"]
+    assert resumes == [{"step": 4, "from": str(run / "checkpoints" / "4"),
+                        "changes": {"steps": [6, 8]}}]
+    steps = [r["step"] for r in records(run) if "loss" in r]
+    assert steps == sorted(set(steps)) and steps[-1] == 8 and 7 in steps
+
+
+def test_the_stop_message_gives_the_command_that_continues(tmp_path):
+    argv = ["--steps", "50", "--name=first", "--stop-after", "20", "--resume-from", "x/10",
+            "--lr", "1e-3", "--no-progress"]
+    command = train_cli.resume_command(argv, tmp_path / "first")
+    assert command == ("python -m experiments.train --steps 50 --lr 1e-3 --no-progress --name "
+                       f"first --out-dir {tmp_path} --resume")
+    again = train_cli.parse(shlex.split(command)[3:])
+    assert again.resume and again.name == "first" and again.out_dir == str(tmp_path)
+    assert (again.steps, again.lr, again.stop_after, again.resume_from) == (50, 1e-3, None, None)
+
+
+# --- bad numbers, skipped steps, the end of a run -------------------------------------------
+
+@pytest.mark.parametrize("flag, value, want", [
+    ("--lr", "nan", "a finite number > 0"), ("--lr", "-1", "a finite number > 0"),
+    ("--adamw.lr", "inf", "a finite number > 0"), ("--weight-decay", "-0.1", ">= 0"),
+    ("--adamw.b2", "1", "in [0, 1)"), ("--muon.momentum", "nan", "in [0, 1)"),
+    ("--adamw.eps", "nan", "a finite number >= 0"), ("--grad-clip", "inf", ">= 0"),
+    ("--schedule.warmup-steps", "-1", ">= 0"), ("--checkpoint.keep", "0", ">= 1"),
+    ("--top-k", "0", ">= 1"), ("--cpu-devices", "0", ">= 1"), ("--max-skipped", "0", ">= 1"),
+])
+def test_bad_numbers_are_refused_at_parse_time(flag, value, want):
+    error = main(*SMALL, flag, value)
+    assert error.startswith(f"error: {flag} ") and want in error and "\n" not in error
+
+
+@pytest.fixture
+def nan_loss(monkeypatch):
+    """Every step's loss (and so its gradients) is NaN."""
+    from jmegatron.train import loop
+    make = loop.make_loss_fn
+
+    def poisoned(*args, **kwargs):
+        loss_fn = make(*args, **kwargs)
+        return lambda params, tokens: jax.tree.map(lambda x: x * jnp.nan, loss_fn(params, tokens))
+
+    monkeypatch.setattr(loop, "make_loss_fn", poisoned)
+
+
+def test_a_run_of_skipped_steps_stops_and_keeps_the_last_checkpoint(run, nan_loss):
+    sums = meta(run / "checkpoints", 6)["checksums"]
+    error = main(*SMALL, "--steps", "20", "--allow-change", "steps", "--max-skipped", "3",
+                 "--checkpoint.every", "100", "--out-dir", str(run.parent), "--name", "run",
+                 "--resume")
+    assert error == ("error: 3 steps in a row were skipped up to step 9 (non-finite loss, "
+                     "gradients, params or optimizer state; the state is that after step 6); the "
+                     f"last checkpoint is {run / 'checkpoints' / '6'}. Try a lower --lr "
+                     "(--max-skipped sets the patience)")
+    assert Checkpointer(run / "checkpoints").all_steps() == [2, 4, 6]
+    assert meta(run / "checkpoints", 6)["checksums"] == sums
+
+
+def test_a_failing_final_evaluation_keeps_the_final_checkpoint(tmp_path, monkeypatch, capsys,
+                                                               reader):
+    def broken(self):
+        raise FloatingPointError("overflow in the evaluation")
+
+    monkeypatch.setattr(Trainer, "evaluate", broken)
+    error = main(*SMALL, "--steps", "2", "--eval-every", "100", "--out-dir", str(tmp_path),
+                 "--name", "run")
+    assert error == 1
+    folder = tmp_path / "run" / "checkpoints"
+    assert (f"error: the final evaluation failed (FloatingPointError: overflow in the "
+            f"evaluation); the checkpoint {folder / '2'} is saved") in capsys.readouterr().out
+    assert int(reader(folder, 2)[0].step) == 2
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["val_loss"] is None and "final evaluation failed" in summary["error"]
+
+
+def test_the_perplexity_of_a_huge_loss_is_inf():
+    assert perplexity(1e4) == float("inf") and perplexity(0.0) == 1.0
+    assert np.isnan(perplexity(float("nan")))
+
+
+# --- disks --------------------------------------------------------------------------------
+
+@contextlib.contextmanager
+def tmpfs(where: Path, size_kib: int, *options):
+    where.mkdir(parents=True)
+    mount = subprocess.run(["mount", "-t", "tmpfs", "-o", ",".join([f"size={size_kib}k",
+                                                                     *options]),
+                            "tmpfs", str(where)], capture_output=True)
+    if mount.returncode:
+        pytest.skip(f"cannot mount a tmpfs here: {mount.stderr.decode().strip()}")
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", "-l", str(where)])
+
+
+def test_an_unwritable_out_dir_is_refused_before_compiling(tmp_path):
+    (tmp_path / "file").write_text("")
+    error = main(*SMALL, "--out-dir", str(tmp_path / "file" / "runs"))
+    assert error == f"error: --out-dir {str(tmp_path / 'file' / 'runs')!r} is not writable: Not a directory"
+    with tmpfs(tmp_path / "ro", 64, "ro") as read_only:
+        error = main(*SMALL, "--out-dir", str(read_only / "runs"))
+        assert error.endswith("is not writable: Read-only file system")
+
+
+def test_a_full_disk_stops_the_run_with_one_line_and_keeps_the_last_checkpoint(
+        trained, tmp_path, reader):
+    size = sum(f.stat().st_blocks * 512 for f in (trained / "checkpoints" / "6").rglob("*"))
+    # Room for the run's files and one checkpoint, not two.
+    with tmpfs(tmp_path / "disk", size * 3 // 2 // 1024 + 64) as disk:
+        proc = cli(*SMALL, "--steps", "20", "--checkpoint.every", "2", "--eval-every", "100",
+                   "--out-dir", str(disk), "--name", "run")
+        out = proc.stdout + proc.stderr
+        folder = disk / "run" / "checkpoints"
+        assert proc.returncode == 1, out
+        errors = [line for line in out.splitlines() if "error" in line.lower()]
+        assert len(errors) == 1 and "Traceback" not in out and "done:" not in out, out
+        assert errors[0].startswith(f"error: saving checkpoint {folder / '4'} failed: No space "
+                                    "left on device (writing "), out
+        last = max(r["step"] for r in records(disk / "run"))
+        assert last <= 8, "a failed background save stops the run at the next step or so"
+        assert Checkpointer(folder).all_steps() == [2]
+        assert int(reader(folder, 2)[0].step) == 2
