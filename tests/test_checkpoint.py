@@ -4,6 +4,7 @@ resume, preemption, killed saves and bad checkpoints."""
 import dataclasses
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -172,6 +173,9 @@ def test_sigterm_finishes_the_step_saves_and_exits_zero(tmp_path):
     assert proc.returncode == 0, out
     step = max(losses(tmp_path / "run"))
     assert f"stopped by SIGTERM at step {step}; checkpoint saved in" in out
+    continue_with = shlex.join(["python", "-m", "experiments.train", *CLI[3:], "--name", "run",
+                                "--out-dir", str(tmp_path), "--resume"])
+    assert f"continue with: {continue_with}\n" in out
     assert Checkpointer(tmp_path / "run" / "checkpoints").latest_step() == step
 
 

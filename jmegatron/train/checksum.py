@@ -16,6 +16,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.experimental import multihost_utils
 
 _SEEDS = (0x9E3779B9, 0x7F4A7C15)
 
@@ -67,6 +68,9 @@ def tree_checksums(tree):
 
 def checksums_by_leaf(tree) -> dict[str, str]:
     """{leaf path: 16 hex digits}: what a checkpoint records and restore compares."""
-    sums = jax.device_get(tree_checksums(tree))
+    sums = tree_checksums(tree)
+    # Several processes: each holds the sums as a global array; gather its value.
+    sums = (multihost_utils.process_allgather(sums) if jax.process_count() > 1
+            else jax.device_get(sums))
     return {jax.tree_util.keystr(path): f"{int(s[0]):08x}{int(s[1]):08x}"
             for path, s in jax.tree.leaves_with_path(sums)}
