@@ -24,8 +24,10 @@ def compare(steps: int, out_dir: str, **overrides) -> list[dict]:
     rows = []
     base = dataclasses.replace(tiny(), **overrides)
     for name in ("adamw", "muon", "soap"):
+        # A rerun replaces the previous comparison's run folders.
         cfg = dataclasses.replace(base, steps=steps, eval_every=steps, progress=False,
-                                  out_dir=out_dir, name=f"compare-{name}", optim=name)
+                                  out_dir=out_dir, name=f"compare-{name}", optim=name,
+                                  overwrite=True)
         summary = train(cfg, plan_run(cfg))
         rows.append({"variant": name, "steps": steps, "val_loss": summary["val_loss"],
                      "train_loss": summary["train_loss"], "seconds": summary["seconds"],

@@ -20,11 +20,11 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import itertools
 import json
 import logging
 import os
 import re
-import shutil
 import sys
 from pathlib import Path
 from typing import Callable
@@ -292,13 +292,14 @@ class Checkpointer:
                 f"({len(bad)} of {len(got)} leaves differ)")
 
     def set_aside(self, step: int) -> Path:
-        """Moves a damaged checkpoint out of the way (to ``<dir>.damaged/STEP``), so the
-        step can be saved again; nothing is deleted. Returns where it went."""
-        where = self.directory.with_name(self.directory.name + ".damaged") / str(step)
+        """Moves a damaged checkpoint out of the way (to ``<dir>.damaged/STEP``, or
+        ``STEP.1`` ... if that exists), so the step can be saved again; nothing is
+        deleted. Returns where it went."""
+        aside = self.directory.with_name(self.directory.name + ".damaged")
+        names = itertools.chain([str(step)], (f"{step}.{i}" for i in itertools.count(1)))
+        where = next(aside / name for name in names if not (aside / name).exists())
         if jax.process_index() == 0:
-            where.parent.mkdir(parents=True, exist_ok=True)
-            if where.exists():
-                shutil.rmtree(where)
+            aside.mkdir(parents=True, exist_ok=True)
             (self.directory / str(step)).rename(where)
         barrier(f"jmegatron set aside {step}")
         self.manager.reload()

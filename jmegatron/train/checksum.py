@@ -70,7 +70,7 @@ def checksums_by_leaf(tree) -> dict[str, str]:
     """{leaf path: 16 hex digits}: what a checkpoint records and restore compares."""
     sums = tree_checksums(tree)
     # Several processes: each holds the sums as a global array; gather its value.
-    sums = (multihost_utils.process_allgather(sums) if jax.process_count() > 1
+    sums = (multihost_utils.process_allgather(sums, tiled=True) if jax.process_count() > 1
             else jax.device_get(sums))
     return {jax.tree_util.keystr(path): f"{int(s[0]):08x}{int(s[1]):08x}"
             for path, s in jax.tree.leaves_with_path(sums)}
