@@ -78,7 +78,7 @@ def measure(state: dict, folder: str) -> dict[str, float]:
     plain.save(0, args=ocp.args.Composite(state=ocp.args.StandardSave(state)))
     out["orbax save"] = timed(plain_save)
     out["orbax restore"] = timed(lambda: jax.block_until_ready(plain.restore(
-        0, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract)))))
+        0, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract)))["state"]))
 
     for verify in (False, True):
         ours = Checkpointer(os.path.join(folder, f"verify_{verify}"),

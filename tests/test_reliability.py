@@ -151,7 +151,8 @@ def test_resume_falls_back_to_the_newest_checkpoint_that_verifies(run, trained, 
     assert "Traceback" not in out
     assert (run / "checkpoints.damaged" / "6").is_dir()   # set aside, not deleted
     # Steps 5 and 6 again, bitwise: the new checkpoint 6 equals the one that was damaged.
-    assert meta(run / "checkpoints", 6)["checksums"] == meta(trained / "checkpoints", 6)["checksums"]
+    new, old = (meta(folder / "checkpoints", 6)["checksums"] for folder in (run, trained))
+    assert new == old
     steps = [r["step"] for r in records(run) if "loss" in r]
     assert steps == [1, 2, 3, 4, 5, 6]   # the lost steps appear once
     want = {r["step"]: r["loss"] for r in records(trained) if "loss" in r}
@@ -164,8 +165,8 @@ def small_saver(folder, **options):
     saver = Checkpointer(folder, CheckpointConfig(async_save=False, **options))
     tree = lambda v: {"w": jnp.full((4, 4), float(v))}
     save = lambda step: saver.save(step, tree(step), {"w": LeafCodec()}, GPTConfig(), {})
-    target = {"w": jax.ShapeDtypeStruct((4, 4), jnp.float32,
-                                        sharding=jax.sharding.SingleDeviceSharding(jax.devices()[0]))}
+    one_device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    target = {"w": jax.ShapeDtypeStruct((4, 4), jnp.float32, sharding=one_device)}
     restore = lambda step: saver.restore(step, target, {"w": LeafCodec()}, GPTConfig())[0]["w"]
     return saver, save, restore
 
@@ -326,7 +327,8 @@ def tmpfs(where: Path, size_kib: int, *options):
 def test_an_unwritable_out_dir_is_refused_before_compiling(tmp_path):
     (tmp_path / "file").write_text("")
     error = main(*SMALL, "--out-dir", str(tmp_path / "file" / "runs"))
-    assert error == f"error: --out-dir {str(tmp_path / 'file' / 'runs')!r} is not writable: Not a directory"
+    where = str(tmp_path / "file" / "runs")
+    assert error == f"error: --out-dir {where!r} is not writable: Not a directory"
     with tmpfs(tmp_path / "ro", 64, "ro") as read_only:
         error = main(*SMALL, "--out-dir", str(read_only / "runs"))
         assert error.endswith("is not writable: Read-only file system")

@@ -114,8 +114,10 @@ def test_a_nan_gradient_skips_the_step(which, setup, muon_setup):
 
 def poison_state():
     """A transformation whose own state turns NaN while the updates stay finite."""
-    return optax.GradientTransformation(lambda params: {"x": jnp.zeros(())},
-                                        lambda u, state, params=None: (u, {"x": state["x"] * jnp.nan}))
+    def update(updates, state, params=None):
+        return updates, {"x": state["x"] * jnp.nan}
+
+    return optax.GradientTransformation(lambda params: {"x": jnp.zeros(())}, update)
 
 
 @pytest.mark.parametrize("poison", ["update", "state"])

@@ -247,7 +247,7 @@ class Checkpointer:
                 meta=ocp.args.JsonRestore()))["meta"]
         except Exception as err:
             raise CheckpointDamaged(f"checkpoint {self.directory / str(step)} is damaged: "
-                                    f"cannot read its meta ({_first_line(err)})") from None
+                                    f"cannot read its meta ({error_line(err)})") from None
 
     def restore(self, step: int, target: TrainState, codecs: TrainState,
                 model: GPTConfig) -> tuple[TrainState, dict]:
@@ -279,7 +279,7 @@ class Checkpointer:
                 state=ocp.args.StandardRestore(abstract)))["state"]
         except Exception as err:
             raise CheckpointDamaged(f"checkpoint {self.directory / str(step)} is damaged: "
-                                    f"cannot read its arrays ({_first_line(err)})") from None
+                                    f"cannot read its arrays ({error_line(err)})") from None
 
     def _compare(self, step: int, loaded, sums: dict[str, str], verb: str) -> None:
         """Raises CheckpointDamaged naming the first leaf whose checksum differs."""
@@ -353,7 +353,7 @@ def _os_error(err: BaseException) -> str:
             files = re.findall(r'"(/[^"]+)"', text)
             return os.strerror(int(code.group(1))) + (f" (writing {files[-1]})" if files else "")
         err = err.__cause__ or err.__context__
-    return _first_line(first)
+    return error_line(first)
 
 
 def _orbax_errors(record: logging.LogRecord) -> bool:
@@ -377,6 +377,7 @@ def _quiet_orbax_failures() -> None:
     sys.unraisablehook = hook
 
 
-def _first_line(err: BaseException) -> str:
+def error_line(err: BaseException) -> str:
+    """``Type: first line of the message`` (at most 300 characters)."""
     text = str(err).strip().splitlines()
     return f"{type(err).__name__}: {text[0][:300] if text else ''}"

@@ -283,12 +283,9 @@ class TrainConfig:
     """Show a progress bar."""
 
     def __post_init__(self):
-        checks = {"steps": self.steps, "batch_size": self.batch_size, "seq_len": self.seq_len,
-                  "microbatches": self.microbatches, "eval_every": self.eval_every,
-                  "eval_batches": self.eval_batches, "log_every": self.log_every}
-        checks.update(max_skipped=self.max_skipped, top_k=self.top_k, cpu_devices=self.cpu_devices)
-        for name, value in checks.items():
-            require(name.replace("_", "-"), value, value >= 1, ">= 1")
+        for name in ("steps", "batch_size", "seq_len", "microbatches", "eval_every",
+                     "eval_batches", "log_every", "max_skipped", "top_k", "cpu_devices"):
+            require(name.replace("_", "-"), getattr(self, name), getattr(self, name) >= 1, ">= 1")
         require("stop-after", self.stop_after, self.stop_after is None or self.stop_after >= 1,
                 ">= 1")
         require("lr", self.lr, positive(self.lr), "a finite number > 0")

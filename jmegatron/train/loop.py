@@ -25,7 +25,7 @@ from jmegatron.sharding.layouts import Layout, make_layout
 from jmegatron.sharding import rules as ax
 from jmegatron.train import run_folder
 from jmegatron.train.checkpoint import (Checkpointer, CheckpointDamaged, CheckpointError, FORMAT,
-                                        leaf_codecs)
+                                        error_line, leaf_codecs)
 from jmegatron.train.config import TrainConfig
 from jmegatron.train.distributed import AnyProcess, barrier, is_main, same_on_all
 from jmegatron.train.metrics import MetricsWriter, jsonable, measure_matmul_rate
@@ -250,6 +250,7 @@ class Run:
         self.metrics = MetricsWriter(self.dir, append=resumed_here) if self.main else Discard()
         if self.main and not resumed_here:
             (self.dir / "samples.txt").write_text("")
+        self.skips_in_a_row = 0   # consecutive skipped steps (--max-skipped)
         self.entropy = unigram_entropy(trainer.corpus.val)
         self.flops_per_token = trainer.model_cfg.flops_per_token(cfg.seq_len)
         self.optimizer_flops = trainer.optimizer.flops_per_step
@@ -331,15 +332,18 @@ class Run:
         seconds = time.perf_counter() - start
         t.save(cfg.steps)
         t.checkpointer.finish()   # written (and read back) before anything else can fail
-        error = None
+        return self._summarize(seconds, last, *self._final_evaluation())
+
+    def _final_evaluation(self) -> tuple[float, str | None]:
+        """(val loss, None), or (NaN, the error) if it fails: the checkpoint is safe."""
         try:
-            eval_loss = self._evaluate(cfg.steps)
-        except Exception as err:   # the checkpoint is safe: report, keep the summary
-            error = (f"the final evaluation failed ({type(err).__name__}: "
-                     f"{str(err).strip().splitlines()[0][:300] if str(err).strip() else ''}); "
-                     f"the checkpoint {t.checkpointer.directory / str(cfg.steps)} is saved")
-            t.log(f"error: {error}")
-        return self._summarize(seconds, last, eval_loss, error)
+            return self._evaluate(self.t.cfg.steps), None
+        except Exception as err:
+            where = self.t.checkpointer.directory / str(self.t.cfg.steps)
+            error = (f"the final evaluation failed ({error_line(err)}); the checkpoint "
+                     f"{where} is saved")
+            self.t.log(f"error: {error}")
+            return float("nan"), error
 
     def _count_skip(self, step: int, skipped: jax.Array) -> None:
         """Counts consecutive skipped steps; raises TrainingError at --max-skipped."""
@@ -352,8 +356,6 @@ class Run:
                 f"{n} steps in a row were skipped up to step {step} (non-finite loss, gradients, "
                 f"params or optimizer state; the state is that after step {step - n}); the last "
                 f"checkpoint is {last}. Try a lower --lr (--max-skipped sets the patience)")
-
-    skips_in_a_row = 0
 
     def _stopped(self, step: int, signal_name: str) -> dict:
         t = self.t
