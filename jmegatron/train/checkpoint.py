@@ -378,6 +378,8 @@ def _quiet_orbax_failures() -> None:
 
 
 def error_line(err: BaseException) -> str:
-    """``Type: first line of the message`` (at most 300 characters)."""
+    """``Type: first line of the message`` (at most 300 characters; without orbax's
+    pointer to TensorStore's details, which names a Python method, not a fact)."""
     text = str(err).strip().splitlines()
-    return f"{type(err).__name__}: {text[0][:300] if text else ''}"
+    line = text[0].split(" See full TensorStore details")[0] if text else ""
+    return f"{type(err).__name__}: {line[:300]}"
