@@ -33,7 +33,8 @@ import orbax.checkpoint as ocp  # noqa: E402
 
 from experiments.bench_common import argv, print_table, write_results  # noqa: E402
 from jmegatron.models import GPTConfig  # noqa: E402
-from jmegatron.train.checkpoint import CheckpointConfig, Checkpointer, LeafCodec  # noqa: E402
+from jmegatron.train.checkpoint import (CheckpointConfig, Checkpointer, LeafCodec,  # noqa: E402
+                                        abstract_of)
 from jmegatron.train.checksum import checksums_by_leaf  # noqa: E402
 
 
@@ -60,8 +61,7 @@ def timed(fn, repeats: int = 3) -> float:
 
 def measure(state: dict, folder: str) -> dict[str, float]:
     codecs = {k: LeafCodec() for k in state}
-    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
-                            state)
+    abstract = abstract_of(state)
     model = GPTConfig()
     out = {"checksum": timed(lambda: checksums_by_leaf(state))}
 

@@ -20,10 +20,11 @@ import pytest
 from experiments import train as train_cli
 from jmegatron.train import TrainConfig, Trainer
 from jmegatron.train.checkpoint import (CheckpointConfig, CheckpointDamaged, Checkpointer,
-                                        LeafCodec)
+                                        LeafCodec, abstract_of)
 from jmegatron.train.checksum import checksums_by_leaf, tree_checksums
 from jmegatron.train.loop import perplexity
 from jmegatron.models import GPTConfig
+from jmegatron.sharding import hlo_collectives
 
 SMALL = ["--model.d-model", "32", "--model.n-layers", "2", "--model.n-heads", "2",
          "--model.n-kv-heads", "2", "--model.d-ff", "64", "--batch-size", "8", "--seq-len", "32",
@@ -67,8 +68,7 @@ def reader(trained, tmp_path_factory):
     """A trainer of the same model, for restoring checkpoints of the run by hand."""
     cfg = train_cli.parse(RUN + ["--out-dir", str(tmp_path_factory.mktemp("reader"))])
     trainer = Trainer(cfg, log=lambda *a: None)
-    target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
-                          trainer.state)
+    target = abstract_of(trainer.state)
     return lambda folder, step: Checkpointer(folder).restore(step, target, trainer.codecs,
                                                              trainer.model_cfg)
 
@@ -108,7 +108,11 @@ def test_checksums_do_not_depend_on_the_sharding_and_see_any_change():
                x[::-1], jnp.zeros_like(x)]                                 # rows reordered
     for other in changed:
         assert checksums_by_leaf({"f32": other})["['f32']"] != want["['f32']"]
-    assert tree_checksums(x).dtype == jnp.uint32
+    # Each device hashes its own shards: the program gathers nothing, it only sums.
+    placed = jax.device_put(x, jax.NamedSharding(mesh, jax.P("a", "b")))
+    report = hlo_collectives(tree_checksums, placed)
+    assert report.select("all-reduce") and {c.kind for c in report.collectives} == {"all-reduce"}
+    assert all(c.buffer_bytes <= 8 for c in report.collectives)   # two uint32 lanes each
 
 
 # --- damaged checkpoints ------------------------------------------------------------------

@@ -190,7 +190,7 @@ class Checkpointer:
         with self._writing(step):
             self.manager.save(step, args=ocp.args.Composite(
                 state=ocp.args.StandardSave(canonical), meta=ocp.args.JsonSave(record)))
-        self._unfinished = (step, _abstract(canonical), sums)
+        self._unfinished = (step, abstract_of(canonical), sums)
 
     def finish(self) -> None:
         """Waits for the last save, reads it back (``verify``) and rotates old checkpoints."""
@@ -335,7 +335,8 @@ class Checkpointer:
             self.manager.close()
 
 
-def _abstract(tree):
+def abstract_of(tree):
+    """Shapes, dtypes and shardings of ``tree``'s arrays (a restore target)."""
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
                         tree)
 

@@ -25,7 +25,7 @@ from jmegatron.sharding.layouts import Layout, make_layout
 from jmegatron.sharding import rules as ax
 from jmegatron.train import run_folder
 from jmegatron.train.checkpoint import (Checkpointer, CheckpointDamaged, CheckpointError, FORMAT,
-                                        error_line, leaf_codecs)
+                                        abstract_of, error_line, leaf_codecs)
 from jmegatron.train.config import TrainConfig
 from jmegatron.train.distributed import AnyProcess, barrier, is_main, same_on_all
 from jmegatron.train.metrics import MetricsWriter, jsonable, measure_matmul_rate
@@ -183,9 +183,8 @@ class Trainer:
                     f"{where} was written by a run with other settings "
                     f"({run_folder.describe_changes(refused)}): resume with the run's own "
                     f"settings, or accept the change with --allow-change {' '.join(refused)}")
-        target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
-                              self.state)
-        self.state, meta = source.restore(step, target, self.codecs, self.model_cfg)
+        self.state, meta = source.restore(step, abstract_of(self.state), self.codecs,
+                                          self.model_cfg)
         self.resumed = {"step": int(meta["step"]), "from": str(where),
                         "changes": {k: list(v) for k, v in changes.items()}}
         return meta
