@@ -32,7 +32,6 @@ import jax.numpy as jnp  # noqa: E402
 import orbax.checkpoint as ocp  # noqa: E402
 
 from experiments.bench_common import argv, print_table, write_results  # noqa: E402
-from jmegatron.models import GPTConfig  # noqa: E402
 from jmegatron.train.checkpoint import (CheckpointConfig, Checkpointer, LeafCodec,  # noqa: E402
                                         abstract_of)
 from jmegatron.train.checksum import checksums_by_leaf  # noqa: E402
@@ -62,7 +61,6 @@ def timed(fn, repeats: int = 3) -> float:
 def measure(state: dict, folder: str) -> dict[str, float]:
     codecs = {k: LeafCodec() for k in state}
     abstract = abstract_of(state)
-    model = GPTConfig()
     out = {"checksum": timed(lambda: checksums_by_leaf(state))}
 
     plain = ocp.CheckpointManager(os.path.join(folder, "plain"), item_names=("state",),
@@ -85,12 +83,12 @@ def measure(state: dict, folder: str) -> dict[str, float]:
                             CheckpointConfig(async_save=False, keep=1, verify=verify))
 
         def save():
-            ours.save(next(steps), state, codecs, model, {})
+            ours.save(next(steps), state, codecs, {})
             ours.finish()   # with verify: the read-back of what was just written
 
         out["save + read back" if verify else "save"] = timed(save)
     out["restore"] = timed(lambda: jax.block_until_ready(
-        ours.restore(ours.latest_step(), abstract, codecs, model)[0]))
+        ours.restore(ours.latest_step(), abstract, codecs)[0]))
     return out
 
 

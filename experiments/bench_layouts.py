@@ -28,7 +28,7 @@ from flax import nnx
 
 from experiments.bench_common import argv, best_time, print_table, write_results
 from jmegatron.models import GPT, GPTConfig, MoEConfig
-from jmegatron.optim import MATRIX, Routing, leaf_routes
+from jmegatron.optim import MATRIX, Routing, leaf_routes, trainable_params
 from jmegatron.optim.owners import tail_owner_bytes
 from jmegatron.sharding import MeshConfig, hlo_collectives, make_mesh
 from jmegatron.sharding.layouts import LAYOUTS, make_layout
@@ -52,10 +52,11 @@ def measure(variant: str, mesh, model: GPTConfig, tokens, optim: str = "muon") -
                         optim=optim)
     make_model = lambda: GPT(cfg, nnx.Rngs(0))
     optimizer = make_optimizer(train, nnx.split(nnx.eval_shape(make_model))[1], mesh, layout)
-    graphdef, state = create_train_state(make_model, optimizer.tx, mesh, layout.rules,
-                                         optimizer.placed)
+    graphdef, state = create_train_state(make_model, optimizer.tx, optimizer.plan)
     loss_fn = make_loss_fn(graphdef, cfg, mesh, layout.rules)
-    grads = jax.jit(jax.grad(lambda p, t: loss_fn(p, t)[0]))(state.params, tokens)
+    params = trainable_params(state.params)   # what the optimizer gets
+    grads = jax.jit(jax.grad(lambda p, rest, t: loss_fn(nnx.merge_state(rest, p), t)[0]))(
+        params, state.params, tokens)
 
     def opt_step(params, grads, opt_state):
         updates, opt_state = optimizer.tx.update(grads, opt_state, params)
@@ -63,16 +64,16 @@ def measure(variant: str, mesh, model: GPTConfig, tokens, optim: str = "muon") -
 
     opt_jit = jax.jit(opt_step)
     # Time a regular step: SOAP's first step only builds its eigenbases (eigh).
-    opt_state = opt_jit(state.params, grads, state.opt_state)[1]
+    opt_state = opt_jit(params, grads, state.opt_state)[1]
     fwd_bwd = jax.jit(jax.value_and_grad(lambda p, t: loss_fn(p, t)[0]))
     train_step = make_train_step(loss_fn, optimizer, 1, mesh, layout.rules)
-    opt_report = hlo_collectives(opt_jit, state.params, grads, state.opt_state)
+    opt_report = hlo_collectives(opt_jit, params, grads, state.opt_state)
     fb_report = hlo_collectives(fwd_bwd, state.params, tokens)
     held = sum(x.addressable_shards[0].data.nbytes
                for x in jax.tree.leaves((state.params, state.opt_state)))
     row = {"optim": optim, "variant": variant,
            "opt_gflop": optimizer.flops_per_step / 1e9,
-           "opt_step_ms": 1e3 * best_time(lambda: opt_jit(state.params, grads, opt_state), 2),
+           "opt_step_ms": 1e3 * best_time(lambda: opt_jit(params, grads, opt_state), 2),
            "opt_collectives": opt_report.count(),
            "opt_bytes_per_device": opt_report.bytes_per_device(),
            "fwd_bwd_bytes_per_device": fb_report.bytes_per_device()}

@@ -19,15 +19,13 @@ def build(mesh, layout_name, model, train):
     make_model = lambda: GPT(cfg, nnx.Rngs(0))
     abstract = nnx.split(nnx.eval_shape(make_model))[1]
     optimizer = make_optimizer(train, abstract, mesh, layout)
-    graphdef, state = create_train_state(make_model, optimizer.tx, mesh, layout.rules,
-                                         optimizer.placed)
+    graphdef, state = create_train_state(make_model, optimizer.tx, optimizer.plan)
     return layout, optimizer, graphdef, state
 
 
 def codecs_for(model, layout, optimizer, state):
     cfg = dataclasses.replace(model, layer_group=layout.layer_group)
-    abstract = nnx.split(nnx.eval_shape(lambda: GPT(cfg, nnx.Rngs(0))))[1]
-    return cfg, leaf_codecs(state, abstract, cfg, optimizer.state_placement)
+    return cfg, leaf_codecs(state, optimizer.plan)
 
 
 def randomized(state, seed=0):

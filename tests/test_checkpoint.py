@@ -37,7 +37,7 @@ def setup(mesh_config, layout, devices=8, model=MODEL, optim="muon"):
 
 
 def canonical(cfg, state, codecs):
-    return jax.device_get(jax.tree.map(lambda c, x: c.encode(x, cfg.vocab_size), codecs, state,
+    return jax.device_get(jax.tree.map(lambda c, x: c.encode(x), codecs, state,
                                        is_leaf=lambda c: isinstance(c, LeafCodec)))
 
 
@@ -72,10 +72,10 @@ def test_restore_onto_another_mesh_or_layout(case, tmp_path):
     cfg, state, codecs = setup(src_mesh, src_layout, src_n, optim=optim)
     state = helpers.randomized(state)
     saver = Checkpointer(tmp_path)
-    saver.save(7, state, codecs, cfg, {"layout": src_layout})
+    saver.save(7, state, codecs, {"layout": src_layout})
     saver.close()
     target_cfg, target, target_codecs = setup(dst_mesh, dst_layout, dst_n, optim=optim)
-    restored, meta = Checkpointer(tmp_path).restore(7, abstract(target), target_codecs, target_cfg)
+    restored, meta = Checkpointer(tmp_path).restore(7, abstract(target), target_codecs)
     assert meta["step"] == 7
     want = canonical(cfg, state, codecs)
     got = canonical(target_cfg, restored, target_codecs)
@@ -92,7 +92,7 @@ def saved(tmp_path_factory):
     folder = tmp_path_factory.mktemp("saved")
     cfg, state, codecs = setup(D8, "fsdp", optim="adamw")
     saver = Checkpointer(folder)
-    saver.save(3, state, codecs, cfg, {"optim": "adamw"})
+    saver.save(3, state, codecs, {"optim": "adamw"})
     saver.close()
     return folder
 
@@ -103,14 +103,14 @@ def test_another_shape_names_the_leaf(saved):
     with pytest.raises(CheckpointError, match=r"leaf \.params\['blocks'\]\['attn'\]\['out'\]"
                                               r"\.value has shape \(4, 4, 8, 32\), but this "
                                               r"model needs \(4, 4, 16, 64\)"):
-        Checkpointer(saved).restore(3, abstract(state), codecs, cfg)
+        Checkpointer(saved).restore(3, abstract(state), codecs)
 
 
 def test_a_missing_leaf_is_named(saved):
     cfg, state, codecs = setup(D8, "fsdp", optim="muon")
     with pytest.raises(CheckpointError, match=r"has no leaf .opt_state.* \(written by optimizer "
                                               r"'adamw'"):
-        Checkpointer(saved).restore(3, abstract(state), codecs, cfg)
+        Checkpointer(saved).restore(3, abstract(state), codecs)
 
 
 def test_a_corrupted_file_is_named(saved, tmp_path):
@@ -123,7 +123,7 @@ def test_a_corrupted_file_is_named(saved, tmp_path):
     cfg, state, codecs = setup(D8, "fsdp", optim="adamw")
     with pytest.raises(CheckpointDamaged, match=f"checkpoint {broken / '3'} is damaged: cannot "
                                                 "read its arrays"):
-        Checkpointer(broken).restore(3, abstract(state), codecs, cfg)
+        Checkpointer(broken).restore(3, abstract(state), codecs)
 
 
 # --- exact resume and preemption through the trainer -------------------------
@@ -182,16 +182,14 @@ def test_sigterm_finishes_the_step_saves_and_exits_zero(tmp_path):
 KILLED_SAVE = textwrap.dedent("""
     import os, signal, sys
     import jax, jax.numpy as jnp
-    from jmegatron.models import GPTConfig
     from jmegatron.train.checkpoint import Checkpointer, LeafCodec
     folder = sys.argv[1]
-    model = GPTConfig()
     saver = Checkpointer(folder)
     small = {"w": jnp.ones((4, 4))}
-    saver.save(1, small, {"w": LeafCodec()}, model, {})
+    saver.save(1, small, {"w": LeafCodec()}, {})
     saver.wait()
     big = {"w": jnp.ones((4, 4)), "big": jnp.ones((64, 1024, 1024))}   # 256 MB
-    saver.save(2, big, {"w": LeafCodec(), "big": LeafCodec()}, model, {})
+    saver.save(2, big, {"w": LeafCodec(), "big": LeafCodec()}, {})
     os.kill(os.getpid(), signal.SIGKILL)   # while step 2 is being written
 """)
 
@@ -206,7 +204,7 @@ def test_a_save_killed_half_way_never_restores_as_whole(tmp_path):
     assert saver.latest_step() == 1
     restored, meta = saver.restore(1, {"w": jax.ShapeDtypeStruct(
         (4, 4), np.float32, sharding=jax.sharding.SingleDeviceSharding(jax.devices()[0]))},
-        {"w": LeafCodec()}, GPTConfig())
+        {"w": LeafCodec()})
     assert meta["step"] == 1 and float(restored["w"].sum()) == 16.0
 
 

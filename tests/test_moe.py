@@ -311,6 +311,7 @@ def test_owner_layout_runs_moe_like_one_device():
     device's, and the optimizer step has no collective over the data axes."""
     import helpers
     from jmegatron.models.gpt import ungroup
+    from jmegatron.optim import trainable_params
     from jmegatron.sharding import hlo_collectives
     from jmegatron.train import TrainConfig, make_loss_fn
     cfg = GPTConfig(vocab_size=64, d_model=32, n_layers=4, n_heads=4, n_kv_heads=2, d_ff=32,
@@ -335,8 +336,8 @@ def test_owner_layout_runs_moe_like_one_device():
     chex.assert_trees_all_close(metrics, ref_metrics, rtol=1e-5)
     chex.assert_trees_all_close(ungroup(grads), ref_grads, rtol=1e-4, atol=1e-7)
 
-    def opt_step(params, grads, opt_state):
-        return optimizer.tx.update(grads, opt_state, params)
+    def opt_step(params, grads, opt_state):   # the optimizer gets the trained params only
+        return optimizer.tx.update(trainable_params(grads), opt_state, trainable_params(params))
 
     # Only tensor-parallel Newton-Schulz talks (over `tensor`, within a matrix's owners).
     report = hlo_collectives(jax.jit(opt_step), state.params, grads, state.opt_state)
@@ -358,18 +359,17 @@ def test_expert_bias_moves_against_the_load():
                       rate=0.5)
     other = nnx.Param(jnp.ones(3))
     load = jnp.array([[0.5, 0.25, 0.25, 0.0], [0.25, 0.25, 0.25, 0.25]])
-    new = balance_expert_bias({"b": bias, "w": other}, {"b": bias, "w": other},
-                              {"moe_load": load})
+    new = balance_expert_bias({"b": bias, "w": other}, {"moe_load": load})
     np.testing.assert_array_equal(new["b"][...], [[-0.5, 0, 0, 0.5], [0, 0, 0, 0]])
     assert new["w"] is other
     # Grouped for the owner layout, [G, g, E]: the layers in order, padding untouched.
     grouped = ExpertBias(jnp.zeros((2, 2, 4)), out_sharding=("layer_groups", "layers", None),
                          eager_sharding=False, rate=0.5)
-    new = balance_expert_bias({"b": grouped}, {"b": grouped}, {"moe_load": load[:1].repeat(3, 0)})
+    new = balance_expert_bias({"b": grouped}, {"moe_load": load[:1].repeat(3, 0)})
     np.testing.assert_array_equal(new["b"][...].reshape(4, 4),
                                   [[-0.5, 0, 0, 0.5]] * 3 + [[0, 0, 0, 0]])
     dense = {"w": other}
-    assert balance_expert_bias(dense, dense, {}) is dense
+    assert balance_expert_bias(dense, {}) is dense
 
 
 # --- the model, its configuration and the CLI ---------------------------------------

@@ -160,7 +160,7 @@ def test_a_checkpoint_of_two_processes_restores_in_one(runs):
         target = jax.tree.map(
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), trainer.state)
         reference = Checkpointer(out / "one" / "checkpoints")
-        want, _ = reference.restore(2, target, trainer.codecs, trainer.model_cfg)
+        want, _ = reference.restore(2, target, trainer.codecs)
         reference.close()
     finally:
         trainer.checkpointer.close()

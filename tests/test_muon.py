@@ -10,7 +10,8 @@ from flax import nnx
 
 from jmegatron.models import GPT, GPTConfig
 from jmegatron.optim import (MATRIX, MatrixSpec, MuonState, Route, Routing, describe, labels,
-                             muon, muon_flops, newton_schulz, ns_flops, route, scale_by_muon,
+                             make_plan, muon, muon_flops, newton_schulz, ns_flops, route,
+                             scale_by_muon,
                              update_scale)
 
 SHAPES = {"w_square": (32, 32), "w_wide": (16, 48), "w_tall": (48, 24)}
@@ -226,11 +227,16 @@ def test_per_expert_weights_are_batches_and_the_router_goes_to_adamw():
 
 
 def test_nnx_optimizer_on_the_gpt():
-    """nnx.Optimizer hands Muon plain arrays at update time; the routes decided
-    from the logical axes at init (split QKV included) must still apply."""
+    """nnx.Optimizer hands Muon plain arrays at update time; the routes of the plan,
+    made once from the logical axes (split QKV included), must still apply. Without
+    a plan, the plain arrays cannot be routed, and that is one clear error."""
     model = GPT(CFG, nnx.Rngs(0))
     tokens = jax.random.randint(jax.random.key(0), (8, 17), 0, CFG.vocab_size)  # full-rank grads
-    optimizer = nnx.Optimizer(model, muon(0.01), wrt=nnx.Param)
+    unplanned = nnx.Optimizer(model, muon(0.01), wrt=nnx.Param)
+    with pytest.raises(ValueError, match="no routing rule matches.*make_plan"):
+        unplanned.update(model, nnx.state(model, nnx.Param))
+    optimizer = nnx.Optimizer(model, muon(0.01, plan=make_plan(nnx.state(model, nnx.Param))),
+                              wrt=nnx.Param)
     before = model.blocks.attn.qkv[...]
 
     @nnx.jit

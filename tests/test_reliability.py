@@ -23,7 +23,6 @@ from jmegatron.train.checkpoint import (CheckpointConfig, CheckpointDamaged, Che
                                         LeafCodec, abstract_of)
 from jmegatron.train.checksum import checksums_by_leaf, tree_checksums
 from jmegatron.train.loop import perplexity
-from jmegatron.models import GPTConfig
 from jmegatron.sharding import hlo_collectives
 
 SMALL = ["--model.d-model", "32", "--model.n-layers", "2", "--model.n-heads", "2",
@@ -69,8 +68,7 @@ def reader(trained, tmp_path_factory):
     cfg = train_cli.parse(RUN + ["--out-dir", str(tmp_path_factory.mktemp("reader"))])
     trainer = Trainer(cfg, log=lambda *a: None)
     target = abstract_of(trainer.state)
-    return lambda folder, step: Checkpointer(folder).restore(step, target, trainer.codecs,
-                                                             trainer.model_cfg)
+    return lambda folder, step: Checkpointer(folder).restore(step, target, trainer.codecs)
 
 
 def meta(folder: Path, step: int) -> dict:
@@ -168,10 +166,10 @@ def test_resume_falls_back_to_the_newest_checkpoint_that_verifies(run, trained, 
 def small_saver(folder, **options):
     saver = Checkpointer(folder, CheckpointConfig(async_save=False, **options))
     tree = lambda v: {"w": jnp.full((4, 4), float(v))}
-    save = lambda step: saver.save(step, tree(step), {"w": LeafCodec()}, GPTConfig(), {})
+    save = lambda step: saver.save(step, tree(step), {"w": LeafCodec()}, {})
     one_device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     target = {"w": jax.ShapeDtypeStruct((4, 4), jnp.float32, sharding=one_device)}
-    restore = lambda step: saver.restore(step, target, {"w": LeafCodec()}, GPTConfig())[0]["w"]
+    restore = lambda step: saver.restore(step, target, {"w": LeafCodec()})[0]["w"]
     return saver, save, restore
 
 

@@ -11,7 +11,7 @@ import numpy as np
 import optax
 import pytest
 
-from jmegatron.optim import MatrixSpec, Route, Routing, scale_by_soap, soap
+from jmegatron.optim import AdamW, MatrixSpec, Route, Routing, scale_by_soap, soap
 from jmegatron.optim.routing import MATRIX
 
 B1, B2, EPS, FREQ = 0.9, 0.95, 1e-8, 5
@@ -132,8 +132,8 @@ def test_soap_with_identity_bases_is_adamw_for_the_whole_tree():
     params = {"w": jnp.asarray(rng.standard_normal((4, 6)), jnp.float32),
               "bias": jnp.asarray(rng.standard_normal(6), jnp.float32)}
     opts = dict(b1=B1, b2=B2, eps=EPS, weight_decay=0.1)
-    ours = soap(1e-2, **opts, max_precond_dim=0, adam_b1=B1, adam_b2=B2, adam_eps=EPS,
-                adam_weight_decay=0.1)
+    ours = soap(1e-2, **opts, max_precond_dim=0,
+                adamw=AdamW(b1=B1, b2=B2, eps=EPS, weight_decay=0.1))
     theirs = optax.adamw(1e-2, **opts)
     p1, p2, s1, s2 = params, params, ours.init(params), theirs.init(params)
     for i in range(4):

@@ -29,7 +29,7 @@ def build(optim: str):
     abstract = nnx.split(nnx.eval_shape(make_model))[1]
     cfg = TrainConfig(optim=optim, lr=1e-2, steps=10, schedule=ScheduleConfig(warmup_steps=0))
     optimizer = make_optimizer(cfg, abstract, mesh)
-    graphdef, state = create_train_state(make_model, optimizer.tx, mesh, DEFAULT_RULES)
+    graphdef, state = create_train_state(make_model, optimizer.tx, optimizer.plan)
     loss_fn = make_loss_fn(graphdef, MODEL, mesh, DEFAULT_RULES)
     return mesh, optimizer, state, loss_fn
 
@@ -127,7 +127,7 @@ def test_non_finite_new_params_or_optimizer_state_skip_the_step(poison, setup):
     extra = optax.scale(jnp.nan) if poison == "update" else poison_state()
     optimizer = dataclasses.replace(optimizer, tx=optax.chain(optimizer.tx, extra))
     make_model = lambda: GPT(MODEL, nnx.Rngs(0))
-    _, state = create_train_state(make_model, optimizer.tx, mesh, DEFAULT_RULES)
+    _, state = create_train_state(make_model, optimizer.tx, optimizer.plan)
     before = jax.device_get(state)
     after, metrics = make_train_step(loss_fn, optimizer, 1, mesh, DEFAULT_RULES)(state, tokens())
     assert np.isfinite(metrics["loss"]) and np.isfinite(metrics["grad_norm"])

@@ -128,6 +128,8 @@ def zero_padding(var: nnx.Param, vocab_size: int, axis: int) -> None:
     value = var[...]
     keep = jnp.arange(value.shape[axis]) < vocab_size
     var.set_value(jnp.where(jnp.expand_dims(keep, 1 - axis), value, 0.0))
+    if value.shape[axis] != vocab_size:   # the codec drops the padding in checkpoints
+        var.set_metadata(real_vocab=vocab_size)
 
 
 def group_layers(blocks: nnx.Module, group: int) -> None:

@@ -57,7 +57,8 @@ Stats = dict[str, jax.Array]
 class ExpertBias(nnx.Variable):
     """Per-expert routing bias of auxiliary-loss-free balancing. It only picks the
     experts (never weights them) and is set by ``balance_expert_bias`` after each
-    step, not by gradients."""
+    step, not by gradients: a variable of its own type, not an ``nnx.Param``, so
+    the optimizer never sees it."""
 
 
 class Routed(NamedTuple):
@@ -217,21 +218,20 @@ def moe_losses(stats: Stats, cfg: MoEConfig) -> tuple[jax.Array, dict[str, jax.A
     return cfg.aux_loss * aux + cfg.z_loss * z, metrics
 
 
-def balance_expert_bias(params: nnx.State, old_params: nnx.State,
-                        metrics: dict[str, jax.Array]) -> nnx.State:
-    """``params`` with each ExpertBias set to old + rate * sign(1/E - load) (DeepSeek-V3:
+def balance_expert_bias(variables: nnx.State, metrics: dict[str, jax.Array]) -> nnx.State:
+    """``variables`` with each ExpertBias moved by rate * sign(1/E - load) (DeepSeek-V3:
     an overloaded expert becomes less likely to be picked); unchanged without MoE."""
     if "moe_load" not in metrics:
-        return params
+        return variables
     load = lax.stop_gradient(metrics["moe_load"])                        # [L_moe, E]
 
-    def step(new, old):
-        if not isinstance(new, ExpertBias):
-            return new
-        rate = new.get_metadata()["rate"]
-        shape = old[...].shape                     # [L_moe, E], or [G, g, E] grouped
+    def step(var):
+        if not isinstance(var, ExpertBias):
+            return var
+        rate = var.get_metadata()["rate"]
+        shape = var[...].shape                     # [L_moe, E], or [G, g, E] grouped
         slots = shape[0] * shape[1] if len(shape) == 3 else shape[0]
         error = jnp.pad(1.0 / load.shape[-1] - load, ((0, slots - load.shape[0]), (0, 0)))
-        return new.replace(old[...] + rate * jnp.sign(error).reshape(shape))
+        return var.replace(var[...] + rate * jnp.sign(error).reshape(shape))
 
-    return jax.tree.map(step, params, old_params, is_leaf=lambda v: isinstance(v, nnx.Variable))
+    return jax.tree.map(step, variables, is_leaf=lambda v: isinstance(v, nnx.Variable))

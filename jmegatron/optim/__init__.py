@@ -3,7 +3,10 @@
 from jmegatron.optim.coefficients import COEFFICIENT_SETS, CoefficientSet, coefficient_set
 from jmegatron.optim.muon import (MOONLIGHT_RMS, MuonState, muon, muon_flops, scale_by_muon,
                                   update_scale)
+from jmegatron.optim.matrix import AdamW, scale_by_matrix_optimizer
 from jmegatron.optim.newton_schulz import newton_schulz, ns_flops
+from jmegatron.optim.plan import (LeafPlan, ShardingPlan, make_plan, matrix_state,
+                                  trainable_params)
 from jmegatron.optim.routing import (ADAMW, MATRIX, LeafRoute, MatrixSpec, Piece, Route, Routing,
                                      describe, from_matrices, labels, leaf_routes, map_matrices,
                                      matrix_pieces, route, to_matrices)
@@ -18,5 +21,7 @@ __all__ = [
     "SoapState", "Factors", "scale_by_soap", "soap", "soap_flops",
     "Routing", "Route", "MatrixSpec", "Piece", "route", "labels", "leaf_routes", "describe",
     "map_matrices", "to_matrices", "from_matrices", "matrix_pieces", "ADAMW", "MATRIX", "LeafRoute",
+    "AdamW", "scale_by_matrix_optimizer", "ShardingPlan", "LeafPlan", "make_plan",
+    "matrix_state", "trainable_params",
     "TP_MODES", "TensorParallel", "TPCostModel", "tp_newton_schulz",
 ]

@@ -11,9 +11,10 @@ import optax
 
 from jmegatron.optim.coefficients import CoefficientSet, coefficient_set
 from jmegatron.optim.newton_schulz import newton_schulz, ns_flops
-from jmegatron.optim.placement import Placement, constrain_to, matrix_placements
-from jmegatron.optim.routing import (LeafRoute, Routing, map_matrices, matrix_leaf_routes,
-                                     matrix_pieces, with_adamw)
+from jmegatron.optim.matrix import (AdamW, PlanSource, held_zeros, scale_by_matrix_optimizer,
+                                    with_adamw)
+from jmegatron.optim.plan import HELD, LeafPlan, ShardingPlan, matrix_state
+from jmegatron.optim.routing import Routing, map_matrices, matrix_pieces
 from jmegatron.optim.tensor_parallel import TensorParallel, TPMode, tp_newton_schulz
 from jmegatron.sharding.layouts import Layout
 from jmegatron.sharding.rules import DEFAULT_RULES, Rules
@@ -22,9 +23,10 @@ ScaleMode = Literal["spectral", "shape", "unit_rms", "none"]
 MOONLIGHT_RMS = 0.2   # spectral x 0.2 gives updates with AdamW's typical RMS
 
 
+@matrix_state(momentum=HELD)
 class MuonState(NamedTuple):
     count: jax.Array              # int32 scalar
-    momentum: optax.Updates
+    momentum: optax.Updates       # mirrors the params, each held as its owners hold it
 
 
 def update_scale(mode: ScaleMode, fan_in: int, fan_out: int,
@@ -68,8 +70,8 @@ def scale_by_muon(*, coefficients: str | CoefficientSet | tuple = "quintic",
                   rms_factor: float | None = None, matmul_dtype=jnp.float32,
                   routing: Routing = Routing(), tp_mode: TPMode = "auto",
                   mesh: jax.sharding.Mesh | None = None, layout: Layout | str | None = None,
-                  rules: Rules = DEFAULT_RULES, syrk: bool | str = False
-                  ) -> optax.GradientTransformation:
+                  rules: Rules = DEFAULT_RULES, syrk: bool | str = False,
+                  plan: ShardingPlan | None = None) -> optax.GradientTransformation:
     """Muon's direction: momentum, Newton-Schulz orthogonalization, shape scale.
 
     Every leaf it sees must be a matrix (or a stack of them) under ``routing``;
@@ -82,10 +84,12 @@ def scale_by_muon(*, coefficients: str | CoefficientSet | tuple = "quintic",
     (a ``jmegatron.sharding.layouts.Layout`` or its name; default "fsdp",
     i.e. params placed by ``rules``) decides where each matrix's state lives
     and which device orthogonalizes it (see ``jmegatron.optim.placement``);
-    matrices split over the tensor axis use ``tp_mode`` (duplicated,
-    distributed, blockwise, or auto per matrix; see
-    ``jmegatron.optim.tensor_parallel``). ``syrk`` runs Newton-Schulz's symmetric
-    products on the SYRK kernel (see ``newton_schulz``), in every mode.
+    ``plan`` (``jmegatron.optim.plan.make_plan``) gives all of that at once
+    and replaces ``routing``, ``mesh``, ``layout`` and ``rules``. Matrices split
+    over the tensor axis use ``tp_mode`` (duplicated, distributed, blockwise,
+    or auto per matrix; see ``jmegatron.optim.tensor_parallel``). ``syrk`` runs
+    Newton-Schulz's symmetric products on the SYRK kernel (see
+    ``newton_schulz``), in every mode.
 
     References:
       Jordan et al., "Muon: An optimizer for hidden layers in neural
@@ -94,13 +98,15 @@ def scale_by_muon(*, coefficients: str | CoefficientSet | tuple = "quintic",
       Bernstein & Newhouse, "Old Optimizer, New Norm: An Anthology",
         arXiv:2409.20325, 2024.
     """
+    source = PlanSource(plan, routing, mesh, layout, rules)
+    mesh = source.plan.mesh if plan is not None else mesh
     tp = None if mesh is None else TensorParallel(mesh, tp_mode)
     ns = dict(steps=steps, coefficients=coefficients, matmul_dtype=matmul_dtype, syrk=syrk)
     n_steps = coefficient_set(coefficients).default_steps if steps is None else steps
     aol = coefficient_set(coefficients).normalization == "aol"
-    memo: dict = {}   # routes seen with logical axes, for updates that arrive without
 
-    def orthogonalize(u: jax.Array, leaf: LeafRoute, where: Placement | None) -> jax.Array:
+    def orthogonalize(u: jax.Array, leaf: LeafPlan) -> jax.Array:
+        where = leaf.placement
         side = None if where is None else tp.side(leaf.route.spec, where.state)
 
         def block(stack, fan_in, fan_out):
@@ -117,39 +123,17 @@ def scale_by_muon(*, coefficients: str | CoefficientSet | tuple = "quintic",
             return ortho * update_scale(scale, fan_in, fan_out, rms_factor)
         return map_matrices(block, u, leaf.route.spec)
 
-    def init_fn(params):
-        leaves = matrix_leaf_routes(params, routing, memo, "scale_by_muon")  # fails early
-        flat, treedef = jax.tree.flatten(params)
-        moms = []
-        for x, where in zip(flat, matrix_placements(leaves, mesh, layout, rules)):
-            zeros = jnp.zeros_like(x, dtype=momentum_dtype or x.dtype)  # keeps x's sharding
-            moms.append(zeros if where is None else
-                        constrain_to(where.pad(zeros), mesh, where.state))
-        return MuonState(jnp.zeros([], jnp.int32), treedef.unflatten(moms))
+    def init_stack(x, leaf):
+        return (held_zeros(x, leaf, momentum_dtype or x.dtype),)
 
-    def update_fn(updates, state, params=None):
-        del params
-        leaves = matrix_leaf_routes(updates, routing, memo, "scale_by_muon")
-        count = optax.safe_increment(state.count)
-        flat, treedef = jax.tree.flatten(updates)
-        moms = treedef.flatten_up_to(state.momentum)
-        new_updates, new_moms = [], []
-        for g, m, leaf, where in zip(flat, moms, leaves,
-                                          matrix_placements(leaves, mesh, layout, rules)):
-            g32 = g.astype(jnp.float32)
-            if where is not None:   # gradients reach the owners of their matrices
-                g32 = constrain_to(where.pad(g32), mesh, where.state)
-            m32, direction = _momentum_step(g32, m.astype(jnp.float32), count, beta, momentum,
-                                            nesterov, bias_correction)
-            out = orthogonalize(direction, leaf, where)
-            if where is not None:   # updates go back to where the params live
-                out = constrain_to(where.unpad(out), mesh, where.param)
-            new_updates.append(out.astype(g.dtype))
-            new_moms.append(m32.astype(m.dtype))
-        return (treedef.unflatten(new_updates),
-                MuonState(count, treedef.unflatten(new_moms)))
+    def update_stack(g, fields, count, leaf):
+        (m,) = fields
+        m32, direction = _momentum_step(g, m.astype(jnp.float32), count, beta, momentum,
+                                        nesterov, bias_correction)
+        return orthogonalize(direction, leaf), (m32.astype(m.dtype),)
 
-    return optax.GradientTransformation(init_fn, update_fn)
+    return scale_by_matrix_optimizer("scale_by_muon", MuonState, init_stack, update_stack,
+                                     source)
 
 
 def muon(learning_rate: optax.ScalarOrSchedule, *,
@@ -160,10 +144,10 @@ def muon(learning_rate: optax.ScalarOrSchedule, *,
          matmul_dtype=jnp.float32, routing: Routing = Routing(), tp_mode: TPMode = "auto",
          mesh: jax.sharding.Mesh | None = None, layout: Layout | str | None = None,
          rules: Rules = DEFAULT_RULES, syrk: bool | str = False,
-         adam_learning_rate: optax.ScalarOrSchedule | None = None, adam_b1: float = 0.9,
-         adam_b2: float = 0.95, adam_eps: float = 1e-8, adam_weight_decay: float = 0.0,
-         adam_weight_decay_mask=None) -> optax.GradientTransformation:
-    """Muon for hidden matrices, AdamW for every other leaf (see ``routing``).
+         plan: ShardingPlan | None = None, adamw: AdamW = AdamW()
+         ) -> optax.GradientTransformation:
+    """Muon for hidden matrices, AdamW (``adamw``'s options) for every other leaf
+    (see ``routing``; ``plan`` as for ``scale_by_muon``).
 
     Matrices get ``-lr * (scale * NS(momentum) + weight_decay * W)`` (decoupled
     decay); with the default spectral scale x 0.2 (Moonlight), one learning rate
@@ -181,12 +165,11 @@ def muon(learning_rate: optax.ScalarOrSchedule, *,
                       momentum=momentum, bias_correction=bias_correction,
                       momentum_dtype=momentum_dtype, scale=scale, rms_factor=rms_factor,
                       matmul_dtype=matmul_dtype, routing=routing, tp_mode=tp_mode,
-                      mesh=mesh, layout=layout, rules=rules, syrk=syrk),
+                      mesh=mesh, layout=layout, rules=rules, syrk=syrk, plan=plan),
         optax.add_decayed_weights(weight_decay),
         optax.scale_by_learning_rate(learning_rate))
-    return with_adamw("muon", matrix, routing, learning_rate if adam_learning_rate is None
-                      else adam_learning_rate, adam_b1, adam_b2, adam_eps, adam_weight_decay,
-                      adam_weight_decay_mask)
+    return with_adamw("muon", matrix, PlanSource(plan, routing, mesh, layout, rules),
+                      learning_rate, adamw)
 
 
 def muon_flops(params, routing: Routing = Routing(), steps: int | None = None,

@@ -25,12 +25,12 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import PartitionSpec as P
 
 from jmegatron.optim.owners import assign, load_report, ns_cost, rank_loads, stack_offsets
 from jmegatron.optim.routing import MATRIX, LeafRoute, batch_axes
-from jmegatron.sharding.layouts import Layout, make_layout
-from jmegatron.sharding.rules import DEFAULT_RULES, LAYER_GROUPS, Rules
+from jmegatron.sharding.layouts import Layout
+from jmegatron.sharding.rules import LAYER_GROUPS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,17 +89,14 @@ class Placement:
 
 def place(leaf: LeafRoute, layout: Layout) -> Placement:
     """The placement of a matrix leaf (with logical axes) under ``layout``, its
-    stack's first matrix on rank 0 under layerwise (``place_all`` sets offsets)."""
+    stack's first matrix on rank 0 (``place_all`` sets offsets)."""
     logical = leaf.logical or (None,) * len(leaf.shape)
-    if layout.name == "owner" and layout.owners > 1 and logical[0] != LAYER_GROUPS:
-        raise ValueError(f"the owner layout needs block weights stacked [L/f, f, ...], but "
-                         f"{leaf.path} has logical axes {logical}: build the model with "
-                         f"GPTConfig(layer_group={layout.layer_group})")
+    layout.check_matrix(leaf.path, logical)
     batch = batch_axes(leaf.route.spec, len(leaf.shape))
     state = _full(layout.state_spec(logical, batch), len(leaf.shape))
     stack_axis = batch[0] if batch else None
     length = leaf.shape[stack_axis] if batch else 1
-    owners = layout.stack_owners(state, batch[0]) if layout.name == "layerwise" and batch else 1
+    owners = layout.stack_owners(state, batch[0]) if batch else 1
     padded = -(-length // owners) * owners
     return Placement(_full(layout.param_spec(logical), len(leaf.shape)), state,
                      tuple(state[a] for a in batch), stack_axis, length, padded, owners, 0,
@@ -123,22 +120,6 @@ def place_all(leaves: list[LeafRoute], layout: Layout) -> list[Placement | None]
 def _matrix_cost(leaf: LeafRoute) -> float:
     """Newton-Schulz cost of a whole leaf (every matrix of its stack)."""
     return sum(p.count * ns_cost(p.fan_in, p.fan_out) for p in leaf.route.spec.pieces(leaf.shape))
-
-
-def resolve_layout(layout: Layout | str | None, mesh: jax.sharding.Mesh,
-                   rules: Rules = DEFAULT_RULES) -> Layout:
-    """A Layout, by name (built on ``rules`` for ``mesh``) or as given; default fsdp."""
-    if isinstance(layout, Layout):
-        return layout
-    return make_layout(layout or "fsdp", mesh.shape, rules)
-
-
-def matrix_placements(leaves: list[LeafRoute], mesh: jax.sharding.Mesh | None,
-                      layout: Layout | str | None, rules: Rules) -> list[Placement | None]:
-    """``place_all`` under the resolved layout; all None without a mesh."""
-    if mesh is None:
-        return [None] * len(leaves)
-    return place_all(leaves, resolve_layout(layout, mesh, rules))
 
 
 def ownership_report(leaves: list[LeafRoute], layout: Layout,
@@ -172,8 +153,7 @@ def ownership_report(leaves: list[LeafRoute], layout: Layout,
         spmd += per_stack / where.length * where.padded / n
     mean = sum(costs) / n
     lpt = max(rank_loads(costs, assign(costs, n, "balanced"), n)) / mean
-    assignment = layout.assignment if layout.name == "layerwise" else "round_robin"
-    return (f"{layout.name} over {n} ranks, {assignment}: {load_report(costs, owner, n)} | "
+    return (f"{layout.name} over {n} ranks, {layout.assignment}: {load_report(costs, owner, n)} | "
             f"LPT would give {lpt:.3f} | with padding computed (SOAP): {spmd / mean:.3f} "
             f"of the mean | padding {padding} of {len(costs)} slots "
             f"({100 * padding / len(costs):.0f}%)")
@@ -181,7 +161,3 @@ def ownership_report(leaves: list[LeafRoute], layout: Layout,
 
 def _full(spec: P, ndim: int) -> P:
     return P(*(tuple(spec) + (None,) * (ndim - len(spec))))
-
-
-def constrain_to(x: jax.Array, mesh: jax.sharding.Mesh, spec: P) -> jax.Array:
-    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))

@@ -17,7 +17,7 @@ from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import optax
+from flax import nnx
 
 from jmegatron.sharding import rules as ax
 from jmegatron.sharding.rules import DEFAULT_RULES, logical_axes_of
@@ -152,12 +152,14 @@ class Routing:
             decision = self.custom(path, shape, logical)
             if decision is not None:
                 return decision
-        for rule in (_vector, _router, _logical, _stacked_vectors, _by_name_and_shape):
+        for rule in (_vector, _router, _logical, _by_name_and_shape):
             decision = rule(self, path, shape, logical)
             if decision is not None:
                 return decision
         raise ValueError(f"no routing rule matches {path} (shape {shape}, logical axes "
-                         f"{logical}); pass Routing(custom=...) to decide it")
+                         f"{logical}); pass Routing(custom=...) to decide it, or give the "
+                         "optimizer a plan (jmegatron.optim.make_plan) made from params "
+                         "that carry logical axes")
 
 
 def _vector(opts, path, shape, logical) -> Route | None:
@@ -191,13 +193,6 @@ def _logical(opts, path, shape, logical) -> Route | None:
     split = _split(logical, shape) if opts.split_qkv else None
     spec = MatrixSpec(in_axes, out_axes, *split) if split else MatrixSpec(in_axes, out_axes)
     return Route(MATRIX, "hidden matrix (logical axes)", spec)
-
-
-def _stacked_vectors(opts, path, shape, logical) -> Route | None:
-    """jmegatron params that are vectors stacked over layers (an MoE expert bias [L, E])."""
-    if logical is None or sum(a not in (ax.LAYER_GROUPS, ax.LAYERS) for a in logical) > 1:
-        return None
-    return Route(ADAMW, "stacked vectors")
 
 
 def _split(logical, shape):
@@ -236,74 +231,55 @@ def _is_annotated(node) -> bool:
     return hasattr(node, "get_metadata")   # a Flax variable
 
 
-def leaf_routes(tree, routing: Routing = Routing(),
-                memo: dict[str, LeafRoute] | None = None) -> list[LeafRoute]:
-    """The LeafRoute of every array leaf of ``tree``, in ``jax.tree.leaves`` order.
-
-    ``memo`` remembers routes decided with logical axes, by path, for trees of
-    the same params that lost their metadata (``nnx.Optimizer`` updates with
-    plain arrays).
-    """
-    out = []
-    for path, node in jax.tree.leaves_with_path(tree, is_leaf=_is_annotated):
-        name = jax.tree_util.keystr(path).removesuffix(".value")
-        if len(jax.tree.leaves(node)) != 1:
-            raise ValueError(f"{name} holds {len(jax.tree.leaves(node))} arrays, expected 1")
-        logical = logical_axes_of(node)
-        if logical is None and memo is not None and name in memo:
-            out.append(memo[name])
-            continue
-        shape = tuple(jnp.shape(jax.tree.leaves(node)[0]))
-        leaf = LeafRoute(name, shape, logical, routing.route(name, shape, logical))
-        if memo is not None and logical is not None:
-            memo[name] = leaf
-        out.append(leaf)
-    return out
+def is_trained(node) -> bool:
+    """What an optimizer trains: nnx.Param variables and plain arrays (other
+    variables, such as the MoE expert bias, are set by the train step)."""
+    return isinstance(node, nnx.Param) or not isinstance(node, nnx.Variable)
 
 
-def matrix_leaf_routes(tree, routing: Routing, memo: dict, who: str) -> list[LeafRoute]:
-    """The LeafRoute of every leaf of a tree given to matrix optimizer ``who``;
-    each must be a matrix."""
-    leaves = leaf_routes(tree, routing, memo)
-    for leaf in leaves:
-        if leaf.route.kind != MATRIX:
-            raise ValueError(f"{who} got {leaf.path}, which routing sends to AdamW "
-                             f"({leaf.route.rule}); combine it with AdamW (jmegatron.optim.muon "
-                             f"or soap) to split the tree")
-    return leaves
+def routed(path, node, routing: Routing) -> LeafRoute:
+    """The LeafRoute of one leaf (or Flax variable) at ``path``; its route is None
+    when it is not trained (``is_trained``)."""
+    name = jax.tree_util.keystr(path).removesuffix(".value")
+    if len(jax.tree.leaves(node)) != 1:
+        raise ValueError(f"{name} holds {len(jax.tree.leaves(node))} arrays, expected 1")
+    logical = logical_axes_of(node)
+    shape = tuple(jnp.shape(jax.tree.leaves(node)[0]))
+    return LeafRoute(name, shape, logical,
+                     routing.route(name, shape, logical) if is_trained(node) else None)
 
 
-def with_adamw(name: str, matrix: optax.GradientTransformation, routing: Routing,
-               learning_rate: optax.ScalarOrSchedule, b1: float, b2: float, eps: float,
-               weight_decay: float, weight_decay_mask) -> optax.GradientTransformation:
-    """``matrix`` (labelled ``name``) for the leaves ``routing`` calls matrices,
-    AdamW for the others."""
-    adam = optax.adamw(learning_rate, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay,
-                       mask=weight_decay_mask)
-    memo: dict = {}
-    return optax.partition({name: matrix, ADAMW: adam},
-                           lambda params: labels(params, routing, name, memo))
+def leaf_routes(tree, routing: Routing = Routing()) -> list[LeafRoute]:
+    """The LeafRoute of every trained leaf of ``tree``, in ``jax.tree.leaves`` order
+    (the plan, ``jmegatron.optim.plan``, keeps them with the rest of each leaf)."""
+    leaves = [routed(path, node, routing)
+              for path, node in jax.tree.leaves_with_path(tree, is_leaf=_is_annotated)]
+    return [leaf for leaf in leaves if leaf.route is not None]
 
 
-def route(params, routing: Routing = Routing(), memo: dict | None = None):
+def route(params, routing: Routing = Routing()):
     """A tree of Routes (a prefix of ``params``: one per leaf or Flax variable)."""
     treedef = jax.tree.structure(params, is_leaf=_is_annotated)
-    return treedef.unflatten([leaf.route for leaf in leaf_routes(params, routing, memo)])
+    return treedef.unflatten([leaf.route for leaf in leaf_routes(params, routing)])
 
 
-def labels(params, routing: Routing = Routing(), matrix_label: str = "muon",
-           memo: dict | None = None):
+def labels(params, routing: Routing = Routing(), matrix_label: str = "muon"):
     """``optax.partition`` labels: ``matrix_label`` or "adamw" per leaf."""
     return jax.tree.map(lambda r: matrix_label if r.kind == MATRIX else ADAMW,
-                        route(params, routing, memo), is_leaf=lambda r: isinstance(r, Route))
+                        route(params, routing), is_leaf=lambda r: isinstance(r, Route))
 
 
 def describe(params, routing: Routing = Routing(), matrix_name: str = "muon",
              block_note: Callable[[LeafRoute, Piece], str] | None = None) -> str:
     """A table: every leaf with its optimizer, matrix blocks and batch axes
     (``block_note`` appends a note per block, e.g. its tensor-parallel mode)."""
+    return describe_leaves(leaf_routes(params, routing), matrix_name, block_note)
+
+
+def describe_leaves(leaves: list[LeafRoute], matrix_name: str = "muon",
+                    block_note: Callable[[LeafRoute, Piece], str] | None = None) -> str:
     rows = [("leaf", "shape", "optimizer", "matrices", "batch axes", "rule")]
-    for leaf in leaf_routes(params, routing):
+    for leaf in leaves:
         name, shape, logical, r = leaf
         if r.kind != MATRIX:
             rows.append((name, str(shape), ADAMW, "-", "-", r.rule))

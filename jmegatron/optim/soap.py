@@ -41,9 +41,11 @@ import optax
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from jmegatron.optim.placement import Placement, constrain_to, matrix_placements
-from jmegatron.optim.routing import (LeafRoute, Routing, from_matrices, matrix_leaf_routes,
-                                     matrix_pieces, to_matrices, with_adamw)
+from jmegatron.optim.matrix import (AdamW, PlanSource, held_zeros, matrix_leaves,
+                                    scale_by_matrix_optimizer, with_adamw)
+from jmegatron.optim.placement import Placement
+from jmegatron.optim.plan import BLOCKS, HELD, ShardingPlan, matrix_state
+from jmegatron.optim.routing import Routing, from_matrices, matrix_pieces, to_matrices
 from jmegatron.sharding.layouts import Layout
 from jmegatron.sharding.rules import DEFAULT_RULES, Rules
 
@@ -59,16 +61,12 @@ class Factors(NamedTuple):
     q_right: jax.Array | None
 
 
+@matrix_state(mu=HELD, nu=HELD, factors=BLOCKS)
 class SoapState(NamedTuple):
     count: jax.Array              # int32 scalar: steps seen (the first makes no update)
-    mu: optax.Updates             # first moment, in the eigenbasis, laid out like the params
+    mu: optax.Updates             # first moment, in the eigenbasis, held like the params
     nu: optax.Updates             # second moment, likewise
-    factors: dict[str, tuple[Factors, ...]]   # per leaf (``state_key``), per block
-
-
-def state_key(path: str) -> str:
-    """The ``factors`` key of a leaf path: "['blocks']['mlp']" -> "blocks.mlp"."""
-    return ".".join(k for k in path.replace("'", "").replace("]", "").split("[") if k)
+    factors: optax.Updates        # mirrors the params: per leaf a tuple of Factors per block
 
 
 def _rotate(x, f: Factors, back: bool = False):
@@ -178,14 +176,14 @@ def scale_by_soap(*, b1: float = 0.95, b2: float = 0.95, shampoo_beta: float | N
                   eps: float = 1e-8, precondition_frequency: int = 10,
                   max_precond_dim: int = 10_000, bias_correction: bool = True,
                   routing: Routing = Routing(), mesh: jax.sharding.Mesh | None = None,
-                  layout: Layout | str | None = None,
-                  rules: Rules = DEFAULT_RULES) -> optax.GradientTransformation:
+                  layout: Layout | str | None = None, rules: Rules = DEFAULT_RULES,
+                  plan: ShardingPlan | None = None) -> optax.GradientTransformation:
     """SOAP's direction for matrix leaves (every leaf must be a matrix or a stack
     of them under ``routing``; ``soap`` sends the others to AdamW).
 
     ``shampoo_beta`` (the factors' EMA decay) defaults to ``b2``. A block side
-    longer than ``max_precond_dim`` is not preconditioned. ``mesh`` and
-    ``layout`` place state and work as for ``scale_by_muon``.
+    longer than ``max_precond_dim`` is not preconditioned. ``mesh``, ``layout``
+    and ``plan`` place state and work as for ``scale_by_muon``.
 
     References:
       Vyas et al., "SOAP: Improving and Stabilizing Shampoo using Adam",
@@ -198,61 +196,26 @@ def scale_by_soap(*, b1: float = 0.95, b2: float = 0.95, shampoo_beta: float | N
     hyper = dict(b1=b1, b2=b2, shampoo_beta=b2 if shampoo_beta is None else shampoo_beta,
                  eps=eps, precondition_frequency=precondition_frequency,
                  bias_correction=bias_correction)
-    memo: dict = {}
+    source = PlanSource(plan, routing, mesh, layout, rules)
+    mesh = plan.mesh if plan is not None else mesh
 
-    def placements(tree) -> tuple[list[LeafRoute], list[Placement | None]]:
-        leaves = matrix_leaf_routes(tree, routing, memo, "scale_by_soap")
-        return leaves, matrix_placements(leaves, mesh, layout, rules)
+    def init_stack(x, leaf):
+        zeros = held_zeros(x, leaf, jnp.float32)
+        factors = tuple(_empty_factors(s.shape, max_precond_dim)
+                        for s in to_matrices(zeros, leaf.route.spec))
+        return zeros, jnp.copy(zeros), factors
 
-    def init_fn(params):
-        leaves, where = placements(params)
-        flat, treedef = jax.tree.flatten(params)
-        moments, factors = [], {}
-        for x, leaf, at in zip(flat, leaves, where):
-            zeros = jnp.zeros_like(x, dtype=jnp.float32)   # keeps x's sharding
-            if at is not None:
-                zeros = constrain_to(at.pad(zeros), mesh, at.state)
-            moments.append(zeros)
-            factors[state_key(leaf.path)] = tuple(
-                _place_factors(_empty_factors(s.shape, max_precond_dim), at, mesh)
-                for s in to_matrices(zeros, leaf.route.spec))
-        mu = treedef.unflatten(moments)
-        return SoapState(jnp.zeros([], jnp.int32), mu, jax.tree.map(jnp.copy, mu), factors)
+    def update_stack(g, fields, count, leaf):
+        mu, nu, factors = fields
+        spec, at = leaf.route.spec, leaf.placement
+        blocks = [_block_step(*args, count, hyper, at, mesh) for args in zip(
+            to_matrices(g, spec), to_matrices(mu, spec), to_matrices(nu, spec), factors)]
+        direction, m, v, f = (list(z) for z in zip(*blocks))
+        direction, m, v = (from_matrices(z, spec, g.shape) for z in (direction, m, v))
+        return direction, (m, v, tuple(f))
 
-    def update_fn(updates, state, params=None):
-        del params
-        leaves, where = placements(updates)
-        count = optax.safe_increment(state.count)
-        flat, treedef = jax.tree.flatten(updates)
-        mus, nus = treedef.flatten_up_to(state.mu), treedef.flatten_up_to(state.nu)
-        outs, new_mu, new_nu, new_factors = [], [], [], {}
-        for g, mu, nu, leaf, at in zip(flat, mus, nus, leaves, where):
-            key, spec = state_key(leaf.path), leaf.route.spec
-            g32 = g.astype(jnp.float32)
-            if at is not None:   # gradients reach the devices that hold the state
-                g32 = constrain_to(at.pad(g32), mesh, at.state)
-            blocks = [_block_step(*args, count, hyper, at, mesh) for args in zip(
-                to_matrices(g32, spec), to_matrices(mu, spec), to_matrices(nu, spec),
-                state.factors[key])]
-            direction, m, v, f = (list(z) for z in zip(*blocks))
-            direction, m, v = (from_matrices(z, spec, g32.shape) for z in (direction, m, v))
-            if at is not None:
-                direction = constrain_to(at.unpad(direction), mesh, at.param)
-                m, v = (constrain_to(z, mesh, at.state) for z in (m, v))
-            outs.append(direction.astype(g.dtype))
-            new_mu.append(m)
-            new_nu.append(v)
-            new_factors[key] = tuple(f)
-        return treedef.unflatten(outs), SoapState(count, treedef.unflatten(new_mu),
-                                                  treedef.unflatten(new_nu), new_factors)
-
-    return optax.GradientTransformation(init_fn, update_fn)
-
-
-def _place_factors(f: Factors, at: Placement | None, mesh) -> Factors:
-    if at is None:
-        return f
-    return jax.tree.map(lambda x: constrain_to(x, mesh, at.blocks), f)
+    return scale_by_matrix_optimizer("scale_by_soap", SoapState, init_stack, update_stack,
+                                     source)
 
 
 def _block_step(g, mu, nu, f: Factors, count, hyper: dict, at: Placement | None, mesh):
@@ -272,31 +235,28 @@ def _block_step(g, mu, nu, f: Factors, count, hyper: dict, at: Placement | None,
     return direction, mu, nu, jax.tree.unflatten(jax.tree.structure(f), rest)
 
 
-def add_decayed_weights_after_basis_step(weight_decay: float, routing: Routing = Routing(),
+def add_decayed_weights_after_basis_step(weight_decay: float, source: PlanSource = PlanSource(),
                                          max_precond_dim: int = 10_000
                                          ) -> optax.GradientTransformation:
     """``optax.add_decayed_weights`` for SOAP's matrices, except on the first step of
     every block with a preconditioned side: that step only builds the eigenbases, its
     direction is zero, and the weights must stay exactly as they are. (A block with
     no preconditioned side is plain Adam from the first step, and decays with it.)"""
-    memo: dict = {}
 
     def init_fn(params):
         del params
         return optax.ScaleByScheduleState(count=jnp.zeros([], jnp.int32))
 
     def update_fn(updates, state, params):
-        leaves = matrix_leaf_routes(params, routing, memo, "SOAP's weight decay")
-        flat, treedef = jax.tree.flatten(params)
-        out = []
-        for g, p, leaf in zip(treedef.flatten_up_to(updates), flat, leaves):
-            spec = leaf.route.spec
+        plan = source(params)
+        subs, out = plan.split(params), plan.split(updates)
+        for i, leaf in matrix_leaves(plan, subs, "SOAP's weight decay"):
+            p, spec = jax.tree.leaves(subs[i])[0], leaf.route.spec
             builds = from_matrices([jnp.full(b.shape, min(b.shape[-2:]) <= max_precond_dim)
                                     for b in to_matrices(p, spec)], spec, p.shape)
             rate = jnp.where(builds & (state.count == 0), 0.0, weight_decay)
-            out.append(g + rate * p)
-        return treedef.unflatten(out), optax.ScaleByScheduleState(
-            optax.safe_increment(state.count))
+            out[i] = jax.tree.map(lambda g: g + rate * p, out[i])
+        return plan.join(out), optax.ScaleByScheduleState(optax.safe_increment(state.count))
 
     return optax.GradientTransformation(init_fn, update_fn)
 
@@ -307,27 +267,26 @@ def soap(learning_rate: optax.ScalarOrSchedule, *, b1: float = 0.95, b2: float =
          bias_correction: bool = True, weight_decay: float = 0.0,
          routing: Routing = Routing(), mesh: jax.sharding.Mesh | None = None,
          layout: Layout | str | None = None, rules: Rules = DEFAULT_RULES,
-         adam_learning_rate: optax.ScalarOrSchedule | None = None, adam_b1: float = 0.9,
-         adam_b2: float = 0.95, adam_eps: float = 1e-8, adam_weight_decay: float = 0.0,
-         adam_weight_decay_mask=None) -> optax.GradientTransformation:
-    """SOAP for hidden matrices, AdamW for every other leaf (see ``routing``):
-    matrices get ``-lr * (soap_direction + weight_decay * W)``, and nothing on the
-    first step, which only builds the eigenbases (no direction, no weight decay).
+         plan: ShardingPlan | None = None, adamw: AdamW = AdamW()
+         ) -> optax.GradientTransformation:
+    """SOAP for hidden matrices, AdamW (``adamw``'s options) for every other leaf (see
+    ``routing``): matrices get ``-lr * (soap_direction + weight_decay * W)``, and
+    nothing on the first step, which only builds the eigenbases (no direction, no
+    weight decay).
 
     References:
       Vyas et al., "SOAP: Improving and Stabilizing Shampoo using Adam",
         arXiv:2409.11321, 2024.
     """
+    source = PlanSource(plan, routing, mesh, layout, rules)
     matrix = optax.chain(
         scale_by_soap(b1=b1, b2=b2, shampoo_beta=shampoo_beta, eps=eps,
                       precondition_frequency=precondition_frequency,
                       max_precond_dim=max_precond_dim, bias_correction=bias_correction,
-                      routing=routing, mesh=mesh, layout=layout, rules=rules),
-        add_decayed_weights_after_basis_step(weight_decay, routing, max_precond_dim),
+                      routing=routing, mesh=mesh, layout=layout, rules=rules, plan=plan),
+        add_decayed_weights_after_basis_step(weight_decay, source, max_precond_dim),
         optax.scale_by_learning_rate(learning_rate))
-    return with_adamw("soap", matrix, routing, learning_rate if adam_learning_rate is None
-                      else adam_learning_rate, adam_b1, adam_b2, adam_eps, adam_weight_decay,
-                      adam_weight_decay_mask)
+    return with_adamw("soap", matrix, source, learning_rate, adamw)
 
 
 def soap_flops(params, routing: Routing = Routing(), precondition_frequency: int = 10,

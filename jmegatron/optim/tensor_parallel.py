@@ -203,8 +203,10 @@ def tp_newton_schulz(stack: jax.Array, side: Side | None, mode: str, tp: TensorP
         fn = _skipping_padding(fn)
         operands, in_specs = (stack, jnp.asarray(real)), (spec, P(batch_spec[0]))
     # An interpreted Pallas kernel indexes varying blocks with unvarying program
-    # ids, which shard_map's type check rejects (JAX_NOTES.md): off with SYRK
-    # (also when compiled, where no GPU has yet told us whether it must be).
+    # ids, which shard_map's type check rejects (check_vma: a pallas_call's output
+    # is not typed as varying over the manual axes unless its out_shape says so):
+    # off with SYRK (also when compiled, where no GPU has yet told us whether it
+    # must be).
     return jax.shard_map(fn, mesh=tp.mesh, in_specs=in_specs, out_specs=spec,
                          check_vma=syrk_backend(syrk) in (None, "jnp"))(*operands)
 

@@ -34,13 +34,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Mapping
+from typing import ClassVar, Mapping
 
 from jax.sharding import PartitionSpec as P
 
 from jmegatron.sharding.mesh import BATCH_AXES
-from jmegatron.sharding.rules import (DEFAULT_RULES, LAYERS, Rules, logical_to_spec, spec_axes,
-                                     with_rules)
+from jmegatron.sharding.rules import (DEFAULT_RULES, LAYER_GROUPS, LAYERS, Rules, logical_to_spec,
+                                     spec_axes, with_rules)
 
 LAYOUTS = ("replicated", "layerwise", "fsdp", "owner")
 ASSIGNMENTS = ("round_robin", "balanced")
@@ -48,29 +48,59 @@ ASSIGNMENTS = ("round_robin", "balanced")
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
-    """A layout resolved for a mesh shape."""
+    """A layout resolved for a mesh shape: a small strategy object, one subclass per
+    layout, that says where params and each matrix stack's state live. The plan
+    (``jmegatron.optim.plan``) asks it and nothing else compares layout names."""
 
-    name: str
-    rules: Rules                    # params and activations
-    owner_axes: tuple[str, ...]     # mesh axes a matrix stack is split over for its state
-    owner_sizes: tuple[int, ...]    # their sizes
-    layer_group: int                # block weights stacked [G, g, ...]; 1: [L, ...]
-    assignment: str = "round_robin" # layerwise: which rank owns each matrix
+    name: ClassVar[str]
+    rules: Rules                        # params and activations
+    owner_axes: tuple[str, ...] = ()    # mesh axes a matrix stack is split over for its state
+    owner_sizes: tuple[int, ...] = ()   # their sizes
+    assignment: str = "round_robin"     # which owner gets which matrix (layerwise)
 
     @property
     def owners(self) -> int:
         """Ranks that own whole matrices (1: nobody does)."""
         return math.prod(self.owner_sizes)
 
+    @property
+    def layer_group(self) -> int:
+        """Block weights stacked [G, g, ...] with g this; 1: [L, ...]."""
+        return 1
+
     def param_spec(self, logical: tuple) -> P:
         return logical_to_spec(logical, self.rules)
 
     def state_spec(self, logical: tuple, batch_dims: tuple[int, ...]) -> P:
-        """Sharding of a matrix stack's optimizer state: the param's, except that
-        under ``layerwise`` the leading batch dim is split over the owner axes
-        the param does not already use (MoE experts keep `expert`: each expert
-        rank's data ranks then share out its experts' layers)."""
-        if self.name != "layerwise" or not batch_dims:
+        """Sharding of a matrix stack's optimizer state (``batch_dims``: the axes
+        stacking its matrices): the param's."""
+        return self.param_spec(logical)
+
+    def stack_owners(self, state: P, stack_dim: int) -> int:
+        """Ranks a stack's matrices are shared out over in ``state``, each holding whole
+        matrices of its own and the stack padded to a multiple of them (1: none)."""
+        return 1
+
+    def check_matrix(self, path: str, logical: tuple) -> None:
+        """Raises ValueError if a matrix leaf with ``logical`` axes cannot live here."""
+
+
+class Replicated(Layout):
+    name = "replicated"
+
+
+class FSDP(Layout):
+    name = "fsdp"
+
+
+class Layerwise(Layout):
+    name = "layerwise"
+
+    def state_spec(self, logical: tuple, batch_dims: tuple[int, ...]) -> P:
+        """The param's, except that the leading batch dim is split over the owner axes
+        the param does not already use (MoE experts keep `expert`: each expert rank's
+        data ranks then share out its experts' layers)."""
+        if not batch_dims:
             return self.param_spec(logical)
         entries = list(logical_to_spec(logical, self.rules))
         entries += [None] * (len(logical) - len(entries))
@@ -83,10 +113,23 @@ class Layout:
         return P(*entries)
 
     def stack_owners(self, state: P, stack_dim: int) -> int:
-        """Ranks a stack's matrices are shared out over in ``state`` (layerwise)."""
         sizes = dict(zip(self.owner_axes, self.owner_sizes))
         entry = tuple(state)[stack_dim] if stack_dim < len(state) else None
         return math.prod(sizes.get(a, 1) for a in spec_axes(entry))
+
+
+class Owner(Layout):
+    name = "owner"
+
+    @property
+    def layer_group(self) -> int:
+        return self.owners
+
+    def check_matrix(self, path: str, logical: tuple) -> None:
+        if self.owners > 1 and logical[0] != LAYER_GROUPS:
+            raise ValueError(f"the owner layout needs block weights stacked [L/f, f, ...], but "
+                             f"{path} has logical axes {logical}: build the model with "
+                             f"GPTConfig(layer_group={self.layer_group})")
 
 
 def make_layout(name: str, mesh_shape: Mapping[str, int], rules: Rules = DEFAULT_RULES,
@@ -102,17 +145,14 @@ def make_layout(name: str, mesh_shape: Mapping[str, int], rules: Rules = DEFAULT
     sizes = lambda axes: tuple(mesh_shape[a] for a in axes)
     replicated_params = with_rules(rules, embed=None)
     if name == "replicated":
-        return Layout(name, replicated_params, (), (), 1)
+        return Replicated(replicated_params)
     if name == "layerwise":
         owners = live(BATCH_AXES)
-        return Layout(name, replicated_params, owners, sizes(owners), 1, assignment)
+        return Layerwise(replicated_params, owners, sizes(owners), assignment)
     if name == "fsdp":
-        return Layout(name, rules, (), (), 1)
+        return FSDP(rules)
     owners = live(("fsdp",))
     # The stack axis takes fsdp; block weights' embed axis then stays whole
     # (a mesh axis splits an array once), while the embedding and head keep
     # their element-wise fsdp split.
-    return Layout(name, with_rules(rules, **{LAYERS: "fsdp"}), owners, sizes(owners),
-                  math.prod(sizes(owners)))
-
-
+    return Owner(with_rules(rules, **{LAYERS: "fsdp"}), owners, sizes(owners))

@@ -2,23 +2,22 @@
 
 What is written does not depend on the mesh or the optimizer layout: block
 weights as [L, ...] (not grouped [L/g, g, ...]), the vocabulary unpadded,
-matrix-optimizer state in its parameter's shape or [L, k, k] per matrix
-(not padded and reordered for layerwise owners). Every leaf of params and optimizer state is canonicalized
-by the parameter it belongs to, so a checkpoint restores onto any mesh and
-layout with the same model and optimizer. Each device writes its own
-shards (orbax); nothing is gathered to one host. Saving is asynchronous by
-default; orbax writes into a temporary folder and renames it when complete,
-so a save killed half-way leaves nothing that restores as whole. The meta
-item holds a checksum of every canonical leaf, computed on the devices from
-the arrays being written and compared whenever the checkpoint is read
-(restore, and the read-back after a save): a damaged file is found, and
-named, before its numbers reach training.
+matrix-optimizer state in its parameter's shape or [*stack, k, k] per matrix
+(not padded and reordered for layerwise owners). The sharding plan gives
+every leaf of params and optimizer state its codec (``leaf_codecs``), so a
+checkpoint restores onto any mesh and layout with the same model and
+optimizer. Each device writes its own shards (orbax); nothing is gathered to
+one host. Saving is asynchronous by default; orbax writes into a temporary
+folder and renames it when complete, so a save killed half-way leaves
+nothing that restores as whole. The meta item holds a checksum of every
+canonical leaf, computed on the devices from the arrays being written and
+compared whenever the checkpoint is read (restore, and the read-back after a
+save): a damaged file is found, and named, before its numbers reach training.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import itertools
 import json
@@ -27,26 +26,18 @@ import os
 import re
 import sys
 from pathlib import Path
-from typing import Callable
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 import orbax.checkpoint as ocp
-from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jmegatron.models.config import GPTConfig
-from jmegatron.models.gpt import grouped_layers, real_layers
-from jmegatron.optim.placement import Placement
-from jmegatron.optim.soap import state_key
-from jmegatron.sharding import rules as ax
-from jmegatron.sharding.rules import logical_axes_of, spec_axes
+from jmegatron.optim.codec import LeafCodec, canonical_sharding
+from jmegatron.optim.plan import ShardingPlan
 from jmegatron.train.checksum import checksums_by_leaf
 from jmegatron.train.config import CheckpointConfig
 from jmegatron.train.distributed import barrier
 from jmegatron.train.state import TrainState
 
-FORMAT = 2   # 2: a checksum per leaf in the meta item
+FORMAT = 3   # 2: a checksum per leaf in the meta item; 3: optimizer state mirrors the params
 
 
 class CheckpointError(ValueError):
@@ -62,95 +53,13 @@ class SaveError(CheckpointError):
     """Writing a checkpoint failed (disk full, permissions); the previous one stays."""
 
 
-@dataclasses.dataclass(frozen=True)
-class LeafCodec:
-    """How one live leaf maps to its canonical form."""
-
-    grouped: int = 0                    # [G, g, ...] (padded) <-> [L, ...]: L (0: flat)
-    vocab_dim: int | None = None        # padded vocabulary <-> vocab_size
-    placement: Placement | None = None  # layerwise matrix-optimizer state: padded stack
-
-    def encode(self, x: jax.Array, vocab: int) -> jax.Array:
-        if self.placement is not None:
-            x = self.placement.unpad(x)
-        if self.grouped:
-            x = x.reshape(-1, *x.shape[2:])[:self.grouped]
-        if self.vocab_dim is not None:
-            x = jax.lax.slice_in_dim(x, 0, vocab, axis=self.vocab_dim)
-        return x
-
-    def decode(self, x: jax.Array, shape: tuple[int, ...], padded_vocab: int) -> jax.Array:
-        if self.vocab_dim is not None:
-            widths = [(0, 0)] * x.ndim
-            widths[self.vocab_dim] = (0, padded_vocab - x.shape[self.vocab_dim])
-            x = jnp.pad(x, widths)
-        if self.grouped:
-            groups, group = self._param_shape(shape)[:2]
-            x = jnp.pad(x, [(0, groups * group - x.shape[0])] + [(0, 0)] * (x.ndim - 1))
-            x = x.reshape(groups, group, *x.shape[1:])
-        if self.placement is not None:
-            x = self.placement.pad(x)
-        return x
-
-    def _param_shape(self, shape):
-        return shape if self.placement is None else (
-            shape[:self.placement.stack_axis] + (self.placement.length,)
-            + shape[self.placement.stack_axis + 1:])
-
-
-def _param_codecs(abstract_params, model: GPTConfig) -> dict[tuple, tuple]:
-    """(path, shape) -> LeafCodec for every parameter, by its logical axes."""
-    codecs = {}
-    for path, var in jax.tree.leaves_with_path(abstract_params,
-                                               is_leaf=lambda v: logical_axes_of(v) is not None):
-        axes = logical_axes_of(var) or ()
-        vocab_dim = axes.index(ax.VOCAB) if ax.VOCAB in axes else None
-        codec = LeafCodec(real_layers(var) or 0,
-                          vocab_dim if model.vocab != model.vocab_size else None)
-        value_path = tuple(path) + tuple(jax.tree_util.tree_flatten_with_path(var)[0][0][0])
-        codecs[value_path] = (tuple(var.shape), codec)
-    return codecs
-
-
-def leaf_codecs(abstract_state: TrainState, abstract_params, model: GPTConfig,
-                placed: Callable[[tuple], Placement | None]) -> TrainState:
-    """A LeafCodec for every leaf of the train state. Optimizer-state leaves
-    follow the parameter whose path ends theirs (same shape), or the
-    placement ``placed(path)`` gives a matrix optimizer's state (Muon's
-    momentum, SOAP's moments and factors); scalars and counts stay as they are."""
-    by_path = _param_codecs(abstract_params, model)
-    longest = max(map(len, by_path), default=0)
-    layers = {state_key(p): n for p, n in grouped_layers(abstract_params).items()}
-
-    def pick(path, leaf):
-        placement = placed(path)
-        for k in range(min(longest, len(path)), 0, -1):
-            shape, codec = by_path.get(tuple(path[-k:]), (None, None))
-            if codec is not None and (placement is not None or shape == leaf.shape):
-                return dataclasses.replace(codec, placement=placement)
-        if placement is not None:   # per-matrix state of a stack (SOAP's factors)
-            key = path[[getattr(k, "name", None) for k in path].index("factors") + 1].key
-            return LeafCodec(grouped=layers.get(key, 0), placement=placement)   # by factor key
-        return LeafCodec()
-
-    return jax.tree.map_with_path(pick, abstract_state)
-
-
-def canonical_sharding(sharding: jax.sharding.Sharding, codec: LeafCodec,
-                       shape: tuple) -> jax.sharding.Sharding:
-    """Where a canonical leaf is placed when loaded: its live split, merged for
-    ungrouped layers, dropped where the canonical size does not divide."""
-    if not isinstance(sharding, NamedSharding):
-        return sharding
-    spec = list(sharding.spec) + [None] * (len(shape) + (1 if codec.grouped else 0)
-                                          - len(sharding.spec))
-    if codec.grouped:
-        spec = [spec_axes(spec[0]) + spec_axes(spec[1]) or None] + spec[2:]
-    mesh = sharding.mesh
-    size = lambda entry: int(np.prod([mesh.shape[a] for a in spec_axes(entry)]))
-    spec = [entry if entry is not None and shape[i] % size(entry) == 0 else None
-            for i, entry in enumerate(spec[:len(shape)])]
-    return NamedSharding(mesh, P(*spec))
+def leaf_codecs(state: TrainState, plan: ShardingPlan) -> TrainState:
+    """A LeafCodec for every leaf of the train state, read from the plan: params by
+    what their variables declare, optimizer state by tree structure
+    (``ShardingPlan.state_codecs``), counts as they are."""
+    return TrainState(LeafCodec(), plan.param_codecs(state.params),
+                      plan.state_codecs(state.opt_state),
+                      LeafCodec())
 
 
 class Checkpointer:
@@ -173,14 +82,13 @@ class Checkpointer:
         self.manager = ocp.CheckpointManager(self.directory, options=options,
                                              item_names=("state", "meta"))
 
-    def save(self, step: int, state: TrainState, codecs: TrainState, model: GPTConfig,
-             meta: dict) -> None:
+    def save(self, step: int, state: TrainState, codecs: TrainState, meta: dict) -> None:
         """Writes the canonical form of ``state`` (asynchronously if configured), after
         finishing the previous save. Raises SaveError naming the folder and the OS error."""
         self.finish()
         if self._encode[0] is not codecs:
             self._encode = (codecs, jax.jit(lambda s: jax.tree.map(
-                lambda c, x: c.encode(x, model.vocab_size), codecs, s,
+                lambda c, x: c.encode(x), codecs, s,
                 is_leaf=lambda c: isinstance(c, LeafCodec))))
         canonical = self._encode[1](state)
         sums = checksums_by_leaf(canonical)
@@ -249,15 +157,15 @@ class Checkpointer:
             raise CheckpointDamaged(f"checkpoint {self.directory / str(step)} is damaged: "
                                     f"cannot read its meta ({error_line(err)})") from None
 
-    def restore(self, step: int, target: TrainState, codecs: TrainState,
-                model: GPTConfig) -> tuple[TrainState, dict]:
+    def restore(self, step: int, target: TrainState,
+                codecs: TrainState) -> tuple[TrainState, dict]:
         """The checkpoint at ``step`` in the shape and shardings of ``target``
         (abstract arrays with shardings): another mesh or layout is fine. Raises
         CheckpointDamaged if a file cannot be read or a leaf's checksum differs."""
         meta = self.read_meta(step)
         is_codec = lambda c: isinstance(c, LeafCodec)
         canonical = jax.eval_shape(
-            lambda s: jax.tree.map(lambda c, x: c.encode(x, model.vocab_size), codecs, s,
+            lambda s: jax.tree.map(lambda c, x: c.encode(x), codecs, s,
                                    is_leaf=is_codec), target)
         self._check_leaves(step, meta, canonical)
         shardings = jax.tree.map(lambda c, t, x: canonical_sharding(t.sharding, c, x.shape),
@@ -268,7 +176,7 @@ class Checkpointer:
         self._compare(step, loaded, meta["checksums"], "was saved as")
         self.verified.add(step)
         decode = lambda s: jax.tree.map(
-            lambda c, t, x: c.decode(x, t.shape, model.vocab).astype(t.dtype), codecs, target, s,
+            lambda c, t, x: c.decode(x).astype(t.dtype), codecs, target, s,
             is_leaf=is_codec)
         out_shardings = jax.tree.map(lambda t: t.sharding, target)
         return jax.jit(decode, out_shardings=out_shardings)(loaded), meta

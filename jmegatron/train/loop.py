@@ -112,10 +112,9 @@ class Trainer:
         make_model = lambda: GPT(self.model_cfg, nnx.Rngs(cfg.seed))
         abstract_params = nnx.split(nnx.eval_shape(make_model))[1]
         self.optimizer = make_optimizer(cfg, abstract_params, self.mesh, self.layout)
-        self.graphdef, self.state = create_train_state(make_model, self.optimizer.tx, self.mesh,
-                                                       self.rules, self.optimizer.placed)
-        self.codecs = leaf_codecs(self.state, abstract_params, self.model_cfg,
-                                  self.optimizer.state_placement)
+        self.graphdef, self.state = create_train_state(make_model, self.optimizer.tx,
+                                                       self.optimizer.plan)
+        self.codecs = leaf_codecs(self.state, self.optimizer.plan)
         self.run_dir = plan.run_dir
         if cfg.overwrite:
             if is_main():
@@ -183,8 +182,7 @@ class Trainer:
                     f"{where} was written by a run with other settings "
                     f"({run_folder.describe_changes(refused)}): resume with the run's own "
                     f"settings, or accept the change with --allow-change {' '.join(refused)}")
-        self.state, meta = source.restore(step, abstract_of(self.state), self.codecs,
-                                          self.model_cfg)
+        self.state, meta = source.restore(step, abstract_of(self.state), self.codecs)
         self.resumed = {"step": int(meta["step"]), "from": str(where),
                         "changes": {k: list(v) for k, v in changes.items()}}
         return meta
@@ -194,7 +192,7 @@ class Trainer:
         meta = {"seed": self.cfg.seed, "optim": self.cfg.optim, "layout": self.layout.name,
                 "mesh": self.mesh_cfg.sizes(), "model": dataclasses.asdict(self.model_cfg),
                 "run": run_folder.run_settings(self.cfg)}
-        self.checkpointer.save(step, self.state, self.codecs, self.model_cfg, meta)
+        self.checkpointer.save(step, self.state, self.codecs, meta)
 
     def batch(self, step: int) -> jax.Array:
         c = self.cfg

@@ -3,24 +3,18 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
 import optax
-from jax.sharding import NamedSharding
 
-from jmegatron.models.gpt import grouped_layers
-from jmegatron.optim import (ADAMW, MATRIX, Routing, TensorParallel, describe, leaf_routes, muon,
-                             muon_flops, soap, soap_flops)
-from jmegatron.optim.soap import state_key
-from jmegatron.optim.placement import resolve_layout
-from jmegatron.optim.placement import Placement, ownership_report, place_all
+from jmegatron.optim import (ADAMW, AdamW, Routing, ShardingPlan, TensorParallel, make_plan,
+                             muon, muon_flops, soap, soap_flops)
 from jmegatron.optim.newton_schulz import syrk_backend
 from jmegatron.optim.tensor_parallel import tp_note
 from jmegatron.sharding import rules as ax
 from jmegatron.sharding.layouts import Layout
-from jmegatron.sharding.rules import DEFAULT_RULES, logical_axes_of
+from jmegatron.sharding.rules import logical_axes_of
 from jmegatron.train.config import ScheduleConfig, TrainConfig
 
 
@@ -59,97 +53,68 @@ class Optimizer:
 
     tx: optax.GradientTransformation
     schedule: optax.Schedule
-    leaf_groups: tuple[str, ...]    # "muon", "soap" or "adamw" per param leaf, in leaf order
+    leaf_groups: tuple[str, ...]    # "muon", "soap" or "adamw" per trained leaf, in leaf order
     flops_per_step: int             # matrix-optimizer matmul FLOPs of one step (0 for AdamW)
     routing_table: str              # who gets which optimizer (``describe``), who owns what
-    mesh: jax.sharding.Mesh | None = None
-    placements: dict[str, Placement] = dataclasses.field(default_factory=dict)  # by leaf path
-
-    def state_placement(self, path: tuple) -> Placement | None:
-        """Placement of a matrix-optimizer state leaf (by its state path) under the
-        layout: Muon's momentum and SOAP's moments are laid out like their param,
-        SOAP's factors (``factors[<state_key>][block]``) per matrix."""
-        names = [getattr(k, "name", None) for k in path]
-        for field in ("momentum", "mu", "nu"):
-            if field in names:
-                rest = path[names.index(field) + 1:]
-                return self.placements.get(jax.tree_util.keystr(rest).removesuffix(".value"))
-        if "factors" in names and len(path) > names.index("factors") + 1:
-            where = self._by_state_key.get(path[names.index("factors") + 1].key)
-            return None if where is None else where.for_blocks()
-        return None
-
-    @functools.cached_property
-    def _by_state_key(self) -> dict[str, Placement]:
-        """``placements`` keyed as SOAP's ``factors`` are (built once, not per leaf)."""
-        return {state_key(p): w for p, w in self.placements.items()}
-
-    def placed(self, path: tuple) -> NamedSharding | None:
-        """Sharding of a matrix-optimizer state leaf, as the layout places it."""
-        where = self.state_placement(path)
-        return None if where is None else NamedSharding(self.mesh, where.state)
+    plan: ShardingPlan              # where every leaf of params and state lives
 
 
-def _matrix_optimizer(cfg: TrainConfig, schedule, adam_schedule, routing: Routing, mesh,
-                      layout) -> optax.GradientTransformation:
+def routing_of(cfg: TrainConfig) -> Routing:
+    return Routing(split_qkv=cfg.muon.split_qkv, per_head=cfg.muon.per_head)
+
+
+def _matrix_optimizer(cfg: TrainConfig, schedule, adam_schedule,
+                      plan: ShardingPlan) -> optax.GradientTransformation:
     a = cfg.adamw
-    adam = dict(adam_learning_rate=adam_schedule, adam_b1=a.b1, adam_b2=a.b2, adam_eps=a.eps,
-                adam_weight_decay=cfg.weight_decay, adam_weight_decay_mask=decay_mask)
+    adamw = AdamW(adam_schedule, a.b1, a.b2, a.eps, cfg.weight_decay, decay_mask)
     if cfg.optim == "soap":
         s = cfg.soap
         return soap(schedule, b1=s.b1, b2=s.b2, shampoo_beta=s.shampoo_beta, eps=s.eps,
                     precondition_frequency=s.precondition_frequency,
                     max_precond_dim=s.max_precond_dim, weight_decay=cfg.weight_decay,
-                    routing=routing, mesh=mesh, layout=layout, **adam)
+                    plan=plan, adamw=adamw)
     m = cfg.muon
     return muon(schedule, coefficients=m.ns_coefficients, steps=m.ns_steps, beta=m.momentum,
                 scale=m.scale, rms_factor=m.rms_factor, weight_decay=cfg.weight_decay,
-                matmul_dtype=jnp.dtype(m.ns_dtype), routing=routing, tp_mode=m.tp_mode,
-                mesh=mesh, layout=layout, syrk=m.syrk, **adam)
+                matmul_dtype=jnp.dtype(m.ns_dtype), tp_mode=m.tp_mode, syrk=m.syrk,
+                plan=plan, adamw=adamw)
 
 
 def make_optimizer(cfg: TrainConfig, abstract_params, mesh: jax.sharding.Mesh | None = None,
                    layout: Layout | None = None) -> Optimizer:
-    """Global-norm clipping, then Muon or SOAP + AdamW (``--optim muon|soap``) or AdamW."""
-    placed = {}
-    if mesh is not None:
-        layout = resolve_layout(layout, mesh, DEFAULT_RULES)
+    """Global-norm clipping, then Muon or SOAP + AdamW (``--optim muon|soap``) or AdamW,
+    on the plan of ``abstract_params`` (``make_plan``) made here, once."""
+    plan = make_plan(abstract_params, mesh, layout, routing_of(cfg))
+    trained = plan.for_optimizer()
     schedule = make_schedule(cfg.schedule, cfg.lr, cfg.steps)
     adam_schedule = (schedule if cfg.adamw.lr is None
                      else make_schedule(cfg.schedule, cfg.adamw.lr, cfg.steps))
     a, m = cfg.adamw, cfg.muon
     if cfg.optim in ("muon", "soap"):
-        routing = Routing(split_qkv=m.split_qkv, per_head=m.per_head)
-        main = _matrix_optimizer(cfg, schedule, adam_schedule, routing, mesh, layout)
-        leaves = leaf_routes(abstract_params, routing)
-        groups = tuple(cfg.optim if leaf.route.kind == MATRIX else ADAMW for leaf in leaves)
-        if mesh is not None:
-            placed = {leaf.path: where for leaf, where in zip(leaves, place_all(leaves, layout))
-                      if where is not None}
+        main = _matrix_optimizer(cfg, schedule, adam_schedule, trained)
+        groups = tuple(cfg.optim if leaf.is_matrix else ADAMW for leaf in trained.leaves)
         if cfg.optim == "muon":
             # SYRK's tile count only where the kernel runs (auto: jnp products on CPU).
             kernel = m.syrk and syrk_backend(True) != "jnp"
-            flops = muon_flops(abstract_params, routing, m.ns_steps, m.ns_coefficients, kernel)
+            flops = muon_flops(abstract_params, plan.routing, m.ns_steps, m.ns_coefficients, kernel)
+            by_path = {leaf.path: leaf for leaf in trained.leaves}
             note = None if mesh is None else tp_note(
-                TensorParallel(mesh, m.tp_mode), lambda leaf: placed[leaf.path].state,
+                TensorParallel(mesh, m.tp_mode), lambda leaf: by_path[leaf.path].held,
                 m.ns_steps, m.ns_coefficients)
         else:
-            flops = soap_flops(abstract_params, routing, cfg.soap.precondition_frequency,
+            flops = soap_flops(abstract_params, plan.routing, cfg.soap.precondition_frequency,
                                cfg.soap.max_precond_dim)
             note = None
-        table = describe(abstract_params, routing, matrix_name=cfg.optim, block_note=note)
-        if mesh is not None:
-            table += "\n\n" + ownership_report(leaves, layout,
-                                                 grouped_layers(abstract_params).get)
+        table = trained.describe(cfg.optim, note)
     elif cfg.optim == "adamw":
         main = optax.adamw(adam_schedule, b1=a.b1, b2=a.b2, eps=a.eps,
                            weight_decay=cfg.weight_decay, mask=decay_mask)
-        groups, flops = (ADAMW,) * len(jax.tree.leaves(abstract_params)), 0
+        groups, flops = (ADAMW,) * len(trained.leaves), 0
         table = "every leaf: adamw"
     else:
         raise ValueError(f"unknown optimizer {cfg.optim!r}")
     clip = optax.clip_by_global_norm(cfg.grad_clip) if cfg.grad_clip > 0 else optax.identity()
-    return Optimizer(optax.chain(clip, main), schedule, groups, flops, table, mesh, placed)
+    return Optimizer(optax.chain(clip, main), schedule, groups, flops, table, plan)
 
 
 def group_update_rms(updates, leaf_groups: tuple[str, ...]) -> dict[str, jax.Array]:

@@ -16,7 +16,7 @@ from jmegatron.models.moe import balance_expert_bias, moe_losses
 from jmegatron.sharding import rules as ax
 from jmegatron.sharding.rules import Rules, activation_sharding, logical_to_spec
 from jmegatron.train.optimizer import Optimizer, group_update_rms
-from jmegatron.train.state import TrainState
+from jmegatron.train.state import TrainState, split_trained
 
 # loss_fn(params, tokens [B, T+1]) -> (loss, {"nll": ..., "z_loss": ..., MoE metrics})
 LossFn = Callable[[nnx.State, jax.Array], tuple[jax.Array, dict[str, jax.Array]]]
@@ -72,11 +72,13 @@ def make_train_step(loss_fn: LossFn, optimizer: Optimizer, microbatches: int,
 
     def train_step(state: TrainState, tokens: jax.Array):
         micro = split_microbatches(tokens, microbatches, mesh, rules)
-        loss, aux, grads = accumulate_grads(loss_fn, state.params, micro)
+        trained, fixed = split_trained(state.params)   # only nnx.Params reach the optimizer
+        loss, aux, grads = accumulate_grads(
+            lambda p, t: loss_fn(nnx.merge_state(p, fixed), t), trained, micro)
         grad_norm = optax.tree.norm(grads)
-        updates, opt_state = optimizer.tx.update(grads, state.opt_state, state.params)
-        params = optax.apply_updates(state.params, updates)
-        params = balance_expert_bias(params, state.params, aux)   # MoE only
+        updates, opt_state = optimizer.tx.update(grads, state.opt_state, trained)
+        fixed = balance_expert_bias(fixed, aux)   # MoE only: set by the step, not trained
+        params = nnx.merge_state(optax.apply_updates(trained, updates), fixed)
         finite = (jnp.isfinite(loss) & jnp.isfinite(grad_norm) & all_finite(params)
                   & all_finite(opt_state))
         keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)

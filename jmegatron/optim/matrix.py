@@ -1,0 +1,177 @@
+"""The matrix-optimizer skeleton: the placement pipeline, written once.
+
+A matrix optimizer (Muon, SOAP, ...) supplies its per-stack math only:
+
+  init_stack(x, leaf)          -> the leaf's state fields (a tuple, in the order of
+                                  its state NamedTuple after ``count``)
+  update_stack(g, fields, count, leaf) -> (direction, new fields)
+
+where ``x`` is the param leaf, ``g`` the gradient (fp32) and ``direction`` the
+update, all shaped as the leaf's owners hold it: under the layerwise layout
+its stack axis padded and reordered over the owners, elsewhere as the param
+(``jmegatron.optim.placement``). ``leaf`` is the plan's ``LeafPlan``. The
+skeleton routes every leaf through the plan (every leaf it sees must be a
+matrix), pads, constrains gradients to the owners, calls the math,
+unpads, and constrains the update back to where the param lives and the new
+state to the plan's placement (``HELD`` and ``BLOCKS`` fields, declared on
+the state type with ``plan.matrix_state``).
+
+The plan is a static input (``plan=``); without one, it is made from the
+tree each call sees (a pure function of the tree's paths, shapes and logical
+axes, the mesh, the layout and the routing). Updates that carry no logical
+axes (``nnx.Optimizer`` hands over plain arrays) need ``plan=``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from jmegatron.optim.plan import BLOCKS, HELD, LeafPlan, ShardingPlan, make_plan, state_forms
+from jmegatron.optim.routing import ADAMW, Routing
+from jmegatron.sharding.layouts import Layout
+from jmegatron.sharding.rules import DEFAULT_RULES, Rules
+
+InitStack = Callable[[jax.Array, LeafPlan], tuple]
+UpdateStack = Callable[[jax.Array, tuple, jax.Array, LeafPlan], tuple[jax.Array, tuple]]
+
+
+@dataclasses.dataclass(frozen=True)
+class AdamW:
+    """AdamW for the leaves a matrix optimizer does not take (embeddings, head,
+    norms, biases); ``learning_rate=None``: the matrix optimizer's."""
+
+    learning_rate: optax.ScalarOrSchedule | None = None
+    b1: float = 0.9
+    b2: float = 0.95
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    weight_decay_mask: object = None
+
+    def tx(self, default_lr: optax.ScalarOrSchedule) -> optax.GradientTransformation:
+        lr = default_lr if self.learning_rate is None else self.learning_rate
+        return optax.adamw(lr, b1=self.b1, b2=self.b2, eps=self.eps,
+                           weight_decay=self.weight_decay, mask=self.weight_decay_mask)
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanSource:
+    """Where a transformation's plan comes from: given, or made from each tree."""
+
+    plan: ShardingPlan | None = None
+    routing: Routing = Routing()
+    mesh: jax.sharding.Mesh | None = None
+    layout: Layout | str | None = None
+    rules: Rules = DEFAULT_RULES
+
+    def __call__(self, tree) -> ShardingPlan:
+        if self.plan is not None:   # a model's plan covers variables no optimizer trains
+            return self.plan.for_optimizer()
+        return make_plan(tree, self.mesh, self.layout, self.routing, self.rules)
+
+
+def matrix_leaves(plan: ShardingPlan, subs: list, who: str) -> list[tuple[int, LeafPlan]]:
+    """(index, leaf plan) of every leaf present in ``subs`` (``plan.split`` of a
+    tree; masked-out leaves skipped); each must be a matrix."""
+    out = []
+    for i, (leaf, sub) in enumerate(zip(plan.leaves, subs)):
+        if not jax.tree.leaves(sub):
+            continue
+        if not leaf.is_matrix:
+            why = "which is not trained (not an nnx.Param)" if leaf.route is None else \
+                f"which routing sends to AdamW ({leaf.route.rule})"
+            raise ValueError(f"{who} got {leaf.path}, {why}; combine it with AdamW "
+                             "(jmegatron.optim.muon or soap) to split the tree")
+        out.append((i, leaf))
+    return out
+
+
+def _array(sub) -> jax.Array:
+    return jax.tree.leaves(sub)[0]
+
+
+def _like(sub, value):
+    """``value`` in ``sub``'s wrapper (a variable stays a variable)."""
+    return jax.tree.structure(sub).unflatten([value])
+
+
+def _constrain(x, mesh, spec: P | None):
+    if mesh is None or spec is None:
+        return x
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+
+
+def place_fields(fields: tuple, forms: tuple[str, ...], leaf: LeafPlan, mesh) -> tuple:
+    """The state fields of one leaf constrained to the plan's placement."""
+    placed = []
+    for value, form in zip(fields, forms):
+        if form == HELD:
+            placed.append(jax.tree.map(lambda x: _constrain(x, mesh, leaf.held), value))
+        else:
+            placed.append(jax.tree.map(
+                lambda x: _constrain(x, mesh, leaf.blocks_spec(x.ndim)), value))
+    return tuple(placed)
+
+
+def scale_by_matrix_optimizer(who: str, state_type: type[NamedTuple], init_stack: InitStack,
+                              update_stack: UpdateStack, source: PlanSource
+                              ) -> optax.GradientTransformation:
+    """The skeleton (see the module docstring) around one optimizer's math.
+    ``state_type`` is a NamedTuple ``(count, *fields)`` registered with
+    ``plan.matrix_state``."""
+    forms = state_forms(state_type)
+    names = state_type._fields[1:]
+    kinds = tuple(forms[name] for name in names)
+    assert set(kinds) <= {HELD, BLOCKS} and len(kinds) == len(forms), (who, forms)
+
+    def init_fn(params):
+        plan = source(params)
+        subs = plan.split(params)
+        columns = [list(subs) for _ in names]   # masked-out leaves keep their node
+        for i, leaf in matrix_leaves(plan, subs, who):
+            mine = place_fields(init_stack(_array(subs[i]), leaf), kinds, leaf, plan.mesh)
+            for column, value in zip(columns, mine):
+                column[i] = value
+        return state_type(jnp.zeros([], jnp.int32), *(plan.join(c) for c in columns))
+
+    def update_fn(updates, state, params=None):
+        del params
+        plan = source(updates)
+        count = optax.safe_increment(state.count)
+        subs = plan.split(updates)
+        fields = [plan.split(getattr(state, name)) for name in names]
+        out, new_fields = list(subs), [list(f) for f in fields]
+        for i, leaf in matrix_leaves(plan, subs, who):
+            mesh, g = plan.mesh, _array(subs[i])
+            g32 = g.astype(jnp.float32)
+            if leaf.placement is not None:   # gradients reach the owners of their matrices
+                g32 = _constrain(leaf.placement.pad(g32), mesh, leaf.held)
+            direction, mine = update_stack(g32, tuple(f[i] for f in fields), count, leaf)
+            if leaf.placement is not None:   # updates go back to where the params live
+                direction = _constrain(leaf.placement.unpad(direction), mesh, leaf.param)
+            out[i] = _like(subs[i], direction.astype(g.dtype))
+            for column, value in zip(new_fields, place_fields(mine, kinds, leaf, mesh)):
+                column[i] = value
+        return plan.join(out), state_type(count, *(plan.join(f) for f in new_fields))
+
+    return optax.GradientTransformation(init_fn, update_fn)
+
+
+def held_zeros(x: jax.Array, leaf: LeafPlan, dtype) -> jax.Array:
+    """Zeros shaped as the leaf's owners hold it (the stack padded under layerwise)."""
+    zeros = jnp.zeros_like(x, dtype=dtype)
+    return zeros if leaf.placement is None else leaf.placement.pad(zeros)
+
+
+def with_adamw(name: str, matrix: optax.GradientTransformation, source: PlanSource,
+               learning_rate: optax.ScalarOrSchedule, adamw: AdamW
+               ) -> optax.GradientTransformation:
+    """``matrix`` (labelled ``name``) for the leaves the plan calls matrices, AdamW
+    for the others."""
+    return optax.partition({name: matrix, ADAMW: adamw.tx(learning_rate)},
+                           lambda params: source(params).labels(name))
