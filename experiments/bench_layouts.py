@@ -28,7 +28,7 @@ from flax import nnx
 
 from experiments.bench_common import argv, best_time, print_table, write_results
 from jmegatron.models import GPT, GPTConfig, MoEConfig
-from jmegatron.optim import MATRIX, Routing, leaf_routes, trainable_params
+from jmegatron.optim import make_plan, trainable_params
 from jmegatron.optim.owners import tail_owner_bytes
 from jmegatron.sharding import MeshConfig, hlo_collectives, make_mesh
 from jmegatron.sharding.layouts import LAYOUTS, make_layout
@@ -137,9 +137,9 @@ def main(args_list: list[str] | None = None) -> list[dict]:
 def print_tail_owners(model: GPTConfig, mesh) -> None:
     """The owner layout's non-matrix params (AdamW's: embedding, head, norms)
     element-wise ZeRO-3, as built, against whole on LPT-balanced tail owners."""
-    params = nnx.state(nnx.eval_shape(lambda: GPT(model, nnx.Rngs(0))), nnx.Param)
-    sizes = [4 * math.prod(leaf.shape) for leaf in leaf_routes(params, Routing())
-             if leaf.route.kind != MATRIX]
+    plan = make_plan(nnx.split(nnx.eval_shape(lambda: GPT(model, nnx.Rngs(0))))[1])
+    sizes = [4 * math.prod(leaf.shape) for leaf in plan.for_optimizer().leaves
+             if not leaf.is_matrix]
     cost = tail_owner_bytes(sizes, mesh.shape["fsdp"])
     print(f"\nnon-matrix params under owner ({len(sizes)} leaves, {sum(sizes):,} bytes; "
           "AdamW, so neither placement communicates in the optimizer step):")
