@@ -40,8 +40,10 @@ def user_labels(params):
 
 CHAINS = {
     "multi_steps": lambda **where: optax.MultiSteps(muon(LR, **where), every_k_schedule=2),
-    "chain": lambda **where: optax.chain(optax.clip_by_global_norm(1.0), muon(LR, **where),
-                                         optax.scale(1.0)),
+    "chain": lambda **where: optax.chain(   # with a learning rate the user can change
+        optax.clip_by_global_norm(1.0),
+        optax.inject_hyperparams(muon, static_args=("mesh", "layout"))(learning_rate=LR, **where),
+        optax.scale(1.0)),
     "multi_transform": lambda **where: optax.multi_transform(
         {"matrix": optax.chain(scale_by_muon(**where), optax.scale(-LR)),
          "other": optax.adam(LR)}, user_labels),

@@ -67,7 +67,7 @@ def scale_by_muon(*, coefficients: str | CoefficientSet | tuple = "quintic",
                   steps: int | None = None, beta: float = 0.95, nesterov: bool = True,
                   momentum: Literal["ema", "sum"] = "ema", bias_correction: bool = False,
                   momentum_dtype=None, scale: ScaleMode = "spectral",
-                  rms_factor: float | None = None, matmul_dtype=jnp.float32,
+                  rms_factor: float | None = None, matmul_dtype="float32",
                   routing: Routing = Routing(), tp_mode: TPMode = "auto",
                   mesh: jax.sharding.Mesh | None = None, layout: Layout | str | None = None,
                   rules: Rules = DEFAULT_RULES, syrk: bool | str = False,
@@ -101,7 +101,9 @@ def scale_by_muon(*, coefficients: str | CoefficientSet | tuple = "quintic",
     source = PlanSource(plan, routing, mesh, layout, rules)
     mesh = source.plan.mesh if plan is not None else mesh
     tp = None if mesh is None else TensorParallel(mesh, tp_mode)
-    ns = dict(steps=steps, coefficients=coefficients, matmul_dtype=matmul_dtype, syrk=syrk)
+    # A dtype name, not jnp.float32: optax.inject_hyperparams takes callables for schedules.
+    ns = dict(steps=steps, coefficients=coefficients, matmul_dtype=jnp.dtype(matmul_dtype),
+              syrk=syrk)
     n_steps = coefficient_set(coefficients).default_steps if steps is None else steps
     aol = coefficient_set(coefficients).normalization == "aol"
 
@@ -141,7 +143,7 @@ def muon(learning_rate: optax.ScalarOrSchedule, *,
          beta: float = 0.95, nesterov: bool = True, momentum: Literal["ema", "sum"] = "ema",
          bias_correction: bool = False, momentum_dtype=None, scale: ScaleMode = "spectral",
          rms_factor: float | None = None, weight_decay: float = 0.0,
-         matmul_dtype=jnp.float32, routing: Routing = Routing(), tp_mode: TPMode = "auto",
+         matmul_dtype="float32", routing: Routing = Routing(), tp_mode: TPMode = "auto",
          mesh: jax.sharding.Mesh | None = None, layout: Layout | str | None = None,
          rules: Rules = DEFAULT_RULES, syrk: bool | str = False,
          plan: ShardingPlan | None = None, adamw: AdamW = AdamW()
