@@ -20,7 +20,7 @@ from jmegatron.models import (GPT, GPTConfig, MoE, MoEConfig, balance_expert_bia
                               validate_sharding)
 from jmegatron.models import dispatch
 from jmegatron.models.moe import ExpertBias
-from jmegatron.optim import describe, scale_by_muon
+from jmegatron.optim import describe, make_plan, muon, scale_by_muon, trainable_params
 from jmegatron.sharding import (DEFAULT_RULES, MeshConfig, activation_sharding,
                                 logical_to_spec, make_mesh, parse_collectives)
 from jmegatron.sharding.layouts import make_layout
@@ -352,6 +352,23 @@ def test_each_expert_is_its_own_muon_matrix():
     assert f"{e} x [{f}, {d}]" in table and "layers,experts" in table
     router = next(line for line in table.splitlines() if "router" in line)
     assert "adamw" in router
+
+
+def test_the_expert_bias_never_reaches_an_optimizer():
+    """It is set by the step; an optimizer handed it refuses it by name instead of
+    training it with AdamW."""
+    cfg = dataclasses.replace(CFG, moe=dataclasses.replace(MOE, bias_rate=0.01))
+    params = nnx.split(nnx.eval_shape(lambda: GPT(cfg, nnx.Rngs(0))))[1]
+    for tx in (muon(0.1), muon(0.1, plan=make_plan(params))):
+        with pytest.raises(ValueError, match=r"expert_bias.*not trained"):
+            jax.eval_shape(tx.init, params)
+    bias = {"b": ExpertBias(jnp.zeros((2, 4)), out_sharding=("layers", None),
+                            eager_sharding=False, rate=0.5)}
+    with pytest.raises(ValueError, match=r"scale_by_muon got \['b'\], which is not trained"):
+        scale_by_muon().init(bias)
+    state = jax.eval_shape(muon(0.1).init, trainable_params(params))
+    assert not any("expert_bias" in jax.tree_util.keystr(p)
+                   for p, _ in jax.tree.leaves_with_path(state))
 
 
 def test_expert_bias_moves_against_the_load():

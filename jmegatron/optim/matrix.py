@@ -69,6 +69,11 @@ class PlanSource:
     layout: Layout | str | None = None
     rules: Rules = DEFAULT_RULES
 
+    @property
+    def placed_on(self) -> jax.sharding.Mesh | None:
+        """The mesh the state is placed on (the plan's, when given)."""
+        return self.plan.mesh if self.plan is not None else self.mesh
+
     def __call__(self, tree) -> ShardingPlan:
         if self.plan is not None:   # a model's plan covers variables no optimizer trains
             return self.plan.for_optimizer()
@@ -174,4 +179,4 @@ def with_adamw(name: str, matrix: optax.GradientTransformation, source: PlanSour
     """``matrix`` (labelled ``name``) for the leaves the plan calls matrices, AdamW
     for the others."""
     return optax.partition({name: matrix, ADAMW: adamw.tx(learning_rate)},
-                           lambda params: source(params).labels(name))
+                           lambda params: source(params).labels(name, params))

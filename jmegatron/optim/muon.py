@@ -99,7 +99,7 @@ def scale_by_muon(*, coefficients: str | CoefficientSet | tuple = "quintic",
         arXiv:2409.20325, 2024.
     """
     source = PlanSource(plan, routing, mesh, layout, rules)
-    mesh = source.plan.mesh if plan is not None else mesh
+    mesh = source.placed_on
     tp = None if mesh is None else TensorParallel(mesh, tp_mode)
     # A dtype name, not jnp.float32: optax.inject_hyperparams takes callables for schedules.
     ns = dict(steps=steps, coefficients=coefficients, matmul_dtype=jnp.dtype(matmul_dtype),

@@ -108,14 +108,28 @@ class ShardingPlan:
 
     def split(self, tree) -> list:
         """The subtree of ``tree`` at each leaf (a variable, an array, or an empty
-        node where a wrapper masked the leaf out)."""
-        return self.treedef.flatten_up_to(tree)
+        node where a wrapper masked the leaf out). Raises ValueError naming a leaf
+        the plan does not hold (an optimizer given the expert bias)."""
+        try:
+            return self.treedef.flatten_up_to(tree)
+        except (ValueError, TypeError):
+            known = {leaf.path for leaf in self.leaves}
+            extra = [jax.tree_util.keystr(path) for path, _ in
+                     jax.tree.leaves_with_path(tree, is_leaf=_is_variable)]
+            extra = [path for path in extra if path.removesuffix(".value") not in known]
+            raise ValueError(f"the plan has no leaf {extra[0] if extra else '(structure differs)'}"
+                             ": it is not trained (not an nnx.Param) or not in the params the "
+                             "plan was made from; give the optimizer trainable_params(params)"
+                             ) from None
 
     def join(self, subtrees) -> Any:
         return self.treedef.unflatten(list(subtrees))
 
-    def labels(self, matrix_label: str):
-        """``optax.partition`` labels: ``matrix_label`` or "adamw" per leaf."""
+    def labels(self, matrix_label: str, params=None):
+        """``optax.partition`` labels of ``params`` (checked against the plan):
+        ``matrix_label`` or "adamw" per leaf."""
+        if params is not None:
+            self.split(params)
         untrained = [leaf.path for leaf in self.leaves if leaf.route is None]
         if untrained:
             raise ValueError(f"the optimizer got {untrained[0]}, which is not trained (not "
@@ -173,10 +187,12 @@ class ShardingPlan:
                     if name in forms else walk(value)
                     for name, value in zip(node._fields, node)))
             if plan.treedef.num_nodes > 1:
-                try:
-                    return plan.join(per_leaf(param, node))
+                try:   # does ``node`` mirror the params? (a probe: no error message)
+                    plan.treedef.flatten_up_to(node)
                 except (ValueError, TypeError):
                     pass
+                else:
+                    return plan.join(per_leaf(param, node))
             children, treedef = jax.tree.flatten(node, is_leaf=lambda n: n is not node)
             if treedef.num_nodes == 1 and treedef.num_leaves == 1:   # an array
                 return other(node)

@@ -197,7 +197,7 @@ def scale_by_soap(*, b1: float = 0.95, b2: float = 0.95, shampoo_beta: float | N
                  eps=eps, precondition_frequency=precondition_frequency,
                  bias_correction=bias_correction)
     source = PlanSource(plan, routing, mesh, layout, rules)
-    mesh = plan.mesh if plan is not None else mesh
+    mesh = source.placed_on
 
     def init_stack(x, leaf):
         zeros = held_zeros(x, leaf, jnp.float32)
