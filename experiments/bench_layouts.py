@@ -33,7 +33,7 @@ from jmegatron.optim.owners import tail_owner_bytes
 from jmegatron.sharding import MeshConfig, hlo_collectives, make_mesh
 from jmegatron.sharding.layouts import LAYOUTS, make_layout
 from jmegatron.train import ScheduleConfig, TrainConfig, create_train_state
-from jmegatron.train.optimizer import make_optimizer
+from jmegatron.train.optimizer import MATRIX_OPTIMIZERS, make_optimizer
 from jmegatron.train.step import make_loss_fn, make_train_step
 
 
@@ -97,7 +97,8 @@ def main(args_list: list[str] | None = None) -> list[dict]:
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--experts", type=int, default=0, help="MoE MLPs of E experts")
     parser.add_argument("--expert", type=int, default=1, help="expert-parallel ranks P")
-    parser.add_argument("--optim", nargs="+", default=["muon"], choices=["muon", "soap", "adamw"])
+    parser.add_argument("--optim", nargs="+", default=["muon"],
+                        choices=[*MATRIX_OPTIMIZERS, "adamw"])
     parser.add_argument("--out", default=None)
     args = parser.parse_args(args_list)
     jax.config.update("jax_num_cpu_devices", 8)

@@ -1,11 +1,15 @@
 """Building blocks shared by the layout and checkpoint tests."""
 
 import dataclasses
+import functools
 
 import jax
+import numpy as np
+import optax
 from flax import nnx
 
 from jmegatron.models import GPT
+from jmegatron.optim import trainable_params
 from jmegatron.sharding.layouts import make_layout
 from jmegatron.train import create_train_state
 from jmegatron.train.checkpoint import leaf_codecs
@@ -36,3 +40,46 @@ def randomized(state, seed=0):
            if jax.numpy.issubdtype(x.dtype, jax.numpy.floating) else x
            for k, x in zip(keys, leaves)]
     return treedef.unflatten(out)
+
+
+def grads_of(params, seed):
+    """Random gradients for the trained leaves, in their params' shardings."""
+    leaves, treedef = jax.tree.flatten(trainable_params(params))
+    keys = jax.random.split(jax.random.key(seed), len(leaves))
+    return treedef.unflatten([jax.device_put(jax.random.normal(k, x.shape), x.sharding)
+                              for k, x in zip(keys, leaves)])
+
+
+def optimizer_step(tx):
+    """(params, opt_state, grads) -> (trained params after the step, opt_state)."""
+    def step(params, opt_state, grads):
+        trained = trainable_params(params)
+        updates, opt_state = tx.update(grads, opt_state, trained)
+        return optax.apply_updates(trained, updates), opt_state
+    return step
+
+
+@functools.cache
+def stepper(tx):
+    """The jitted step of ``tx`` (one per transformation: a start placed alike reuses it)."""
+    step = optimizer_step(tx)
+
+    @jax.jit
+    def full(params, opt_state, grads):
+        trained, opt_state = step(params, opt_state, grads)
+        return nnx.merge_state(params, trained), opt_state
+    return full
+
+
+def three_steps(tx, params, opt_state):
+    """Params after three steps of ``tx`` on the random gradients of seeds 0, 1, 2."""
+    for seed in range(3):
+        params, opt_state = stepper(tx)(params, opt_state, grads_of(params, seed))
+    return params
+
+
+def assert_close(got, want, rtol=1e-5, atol=1e-6):
+    got = jax.device_get(got)
+    for (path, a), b in zip(jax.tree.leaves_with_path(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(a, b, rtol=rtol, atol=atol,
+                                   err_msg=jax.tree_util.keystr(path))

@@ -26,6 +26,8 @@ from jmegatron.sharding.layouts import LAYOUTS, make_layout
 from jmegatron.train import create_train_state
 from jmegatron.train.checkpoint import Checkpointer, abstract_of, leaf_codecs
 
+from helpers import assert_close, grads_of, optimizer_step, three_steps
+
 MODEL = GPTConfig(vocab_size=259, d_model=32, n_layers=3, n_heads=2, n_kv_heads=1,
                   d_ff=64).pad_vocab(1)
 LR = 0.02
@@ -58,31 +60,6 @@ def mesh():
 
 def config(layout):
     return dataclasses.replace(MODEL, layer_group=layout.layer_group)
-
-
-def grads_of(params, seed):
-    """Random gradients for the trained leaves, in their params' shardings."""
-    leaves, treedef = jax.tree.flatten(trainable_params(params))
-    keys = jax.random.split(jax.random.key(seed), len(leaves))
-    return treedef.unflatten([jax.device_put(jax.random.normal(k, x.shape), x.sharding)
-                              for k, x in zip(keys, leaves)])
-
-
-@functools.cache
-def stepper(tx):
-    """The jitted step of ``tx`` (one per chain: a start placed alike reuses it)."""
-    @jax.jit
-    def step(params, opt_state, grads):
-        trained = trainable_params(params)
-        updates, opt_state = tx.update(grads, opt_state, trained)
-        return nnx.merge_state(params, optax.apply_updates(trained, updates)), opt_state
-    return step
-
-
-def three_steps(tx, params, opt_state):
-    for seed in range(3):
-        params, opt_state = stepper(tx)(params, opt_state, grads_of(params, seed))
-    return params
 
 
 @functools.cache
@@ -168,20 +145,6 @@ def test_user_chain_is_placed_stepped_and_checkpointed(chain, layout_name, tmp_p
     _, next_plan, _, target, _ = built(chain, NEXT[layout_name])
     assert_restores(tmp_path, state, leaf_codecs(state, plan), target,
                     leaf_codecs(target, next_plan))
-
-
-def assert_close(got, want):
-    got = jax.device_get(got)
-    for (path, a), b in zip(jax.tree.leaves_with_path(got), jax.tree.leaves(want)):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6, err_msg=jax.tree_util.keystr(path))
-
-
-def optimizer_step(tx):
-    def step(params, opt_state, grads):
-        trained = trainable_params(params)
-        updates, opt_state = tx.update(grads, opt_state, trained)
-        return optax.apply_updates(trained, updates), opt_state
-    return step
 
 
 def canonical(tree, codecs):

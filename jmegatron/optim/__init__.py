@@ -1,12 +1,16 @@
-"""Matrix optimizers (Muon, SOAP), Newton-Schulz and parameter routing, as optax transformations."""
+"""Matrix optimizers (Muon, MOP, adaptive Muon, SOAP, REKLS), Newton-Schulz and parameter routing, as optax transformations."""
 
+from jmegatron.optim.adaptive_muon import adaptive_muon, scale_by_adaptive_muon
 from jmegatron.optim.coefficients import COEFFICIENT_SETS, CoefficientSet, coefficient_set
 from jmegatron.optim.muon import (MOONLIGHT_RMS, MuonState, muon, muon_flops, scale_by_muon,
                                   update_scale)
-from jmegatron.optim.matrix import AdamW, scale_by_matrix_optimizer
+from jmegatron.optim.matrix import (WEIGHT_DECAY_METHODS, AdamW, descend,
+                                    scale_by_matrix_optimizer)
+from jmegatron.optim.mop import mop, mop_flops, polar_factor, scale_by_mop
 from jmegatron.optim.newton_schulz import newton_schulz, ns_flops
 from jmegatron.optim.plan import (LeafPlan, ShardingPlan, make_plan, matrix_state,
                                   trainable_params)
+from jmegatron.optim.rekls import rekls, rekls_block, rekls_flops, scale_by_rekls
 from jmegatron.optim.routing import (ADAMW, MATRIX, LeafRoute, MatrixSpec, Piece, Route, Routing,
                                      describe, from_matrices, labels, leaf_routes, map_matrices,
                                      matrix_pieces, route, to_matrices)
@@ -18,10 +22,13 @@ __all__ = [
     "COEFFICIENT_SETS", "CoefficientSet", "coefficient_set",
     "newton_schulz", "ns_flops",
     "MuonState", "scale_by_muon", "muon", "muon_flops", "update_scale", "MOONLIGHT_RMS",
+    "scale_by_mop", "mop", "mop_flops", "polar_factor",
+    "scale_by_adaptive_muon", "adaptive_muon",
     "SoapState", "Factors", "scale_by_soap", "soap", "soap_flops",
+    "scale_by_rekls", "rekls", "rekls_block", "rekls_flops",
     "Routing", "Route", "MatrixSpec", "Piece", "route", "labels", "leaf_routes", "describe",
     "map_matrices", "to_matrices", "from_matrices", "matrix_pieces", "ADAMW", "MATRIX", "LeafRoute",
-    "AdamW", "scale_by_matrix_optimizer", "ShardingPlan", "LeafPlan", "make_plan",
+    "AdamW", "descend", "WEIGHT_DECAY_METHODS", "scale_by_matrix_optimizer", "ShardingPlan", "LeafPlan", "make_plan",
     "matrix_state", "trainable_params",
     "TP_MODES", "TensorParallel", "TPCostModel", "tp_newton_schulz",
 ]

@@ -84,6 +84,14 @@ COEFFICIENT_SETS = {s.name: s for s in (
         (2.7573, -3.2939, 1.4254),
         (2.7215, -3.0494, 1.3169),
     ), default_steps=4, normalization="aol"),
+    # DeepSeek-V4 (DeepSeek-AI, DeepSeek-V4 technical report, 2026, DeepSeek_V4.pdf
+    # at huggingface.co/deepseek-ai/DeepSeek-V4-Pro; also NVIDIA
+    # Emerging-Optimizers 0.3.0's "deepseekv4" set): eight steps of
+    # Keller Jordan's tuple lift the small singular values fast, then two
+    # steps of (2, -1.5, 0.5), whose fixed point is exactly 1 with zero slope
+    # there, pull the band around 1 in.
+    CoefficientSet("deepseekv4", ((3.4445, -4.7750, 2.0315),) * 8 + ((2.0, -1.5, 0.5),) * 2,
+                   default_steps=10),
     # The classic cubic Newton-Schulz iteration X <- 1.5 X - 0.5 X X^T X:
     # converges to exactly 1 but slowly from small singular values.
     CoefficientSet("cubic", ((1.5, -0.5, 0.0),), default_steps=10),

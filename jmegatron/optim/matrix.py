@@ -25,7 +25,7 @@ axes (``nnx.Optimizer`` hands over plain arrays) need ``plan=``.
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, NamedTuple
+from typing import Callable, Literal, NamedTuple, get_args
 
 import jax
 import jax.numpy as jnp
@@ -167,6 +167,30 @@ def scale_by_matrix_optimizer(who: str, state_type: type[NamedTuple], init_stack
     return optax.GradientTransformation(init_fn, update_fn)
 
 
+def on_owners(fn: Callable, tree, at, mesh, *scalars):
+    """``fn(tree, *scalars)`` on whole matrices: with a placement ``at``, in
+    ``jax.shard_map`` over its stack, each device on its own slice of the stack
+    (matrices split over other axes, e.g. tensor, are gathered first: duplicated
+    work); else as it is. ``tree``'s arrays (and ``fn``'s results) are stacks
+    [*stack, ...]; ``scalars`` are replicated."""
+    if at is None:
+        return fn(tree, *scalars)
+    return jax.shard_map(fn, mesh=mesh, in_specs=(at.blocks, *(P(),) * len(scalars)),
+                         out_specs=at.blocks)(tree, *scalars)
+
+
+def per_matrix(fn: Callable, x: jax.Array):
+    """``fn`` on every matrix of a stack [..., m, n] (``fn`` returns a pytree of
+    [..., *] arrays). On CPU one at a time: XLA:CPU splits a batched eigh, QR or
+    SVD over the thread pool its devices also run on, and with 8 virtual devices
+    waiting on each other that deadlocks (seen with jaxlib 0.10.2). Elsewhere
+    batched."""
+    if jax.default_backend() != "cpu" or x.ndim == 2:
+        return fn(x)
+    flat = x.reshape(-1, *x.shape[-2:])
+    return jax.tree.map(lambda y: y.reshape(*x.shape[:-2], *y.shape[1:]), jax.lax.map(fn, flat))
+
+
 def held_zeros(x: jax.Array, leaf: LeafPlan, dtype) -> jax.Array:
     """Zeros shaped as the leaf's owners hold it (the stack padded under layerwise)."""
     zeros = jnp.zeros_like(x, dtype=dtype)
@@ -180,3 +204,72 @@ def with_adamw(name: str, matrix: optax.GradientTransformation, source: PlanSour
     for the others."""
     return optax.partition({name: matrix, ADAMW: adamw.tx(learning_rate)},
                            lambda params: source(params).labels(name, params))
+
+
+WeightDecayMethod = Literal["decoupled", "independent", "l2", "palm"]
+WEIGHT_DECAY_METHODS: tuple[str, ...] = get_args(WeightDecayMethod)
+
+
+def at_step(value: optax.ScalarOrSchedule, count: jax.Array):
+    """A number, or a schedule's value at ``count``."""
+    return value(count) if callable(value) else value
+
+
+def add_scheduled_decay(rate: Callable[[jax.Array], jax.Array] | float
+                        ) -> optax.GradientTransformation:
+    """``updates + rate * params``, with ``rate`` a number or a function of the step
+    (counted from 0, as ``optax.scale_by_learning_rate`` counts)."""
+
+    def init_fn(params):
+        del params
+        return optax.ScaleByScheduleState(count=jnp.zeros([], jnp.int32))
+
+    def update_fn(updates, state, params):
+        if params is None:
+            raise ValueError("weight decay needs the params: call update(updates, state, params)")
+        r = at_step(rate, state.count)
+        updates = jax.tree.map(lambda g, p: g + r * p, updates, params)
+        return updates, optax.ScaleByScheduleState(optax.safe_increment(state.count))
+
+    return optax.GradientTransformation(init_fn, update_fn)
+
+
+def add_decay(rate) -> optax.GradientTransformation:
+    """``updates + rate * params``: optax's for a number (its state stays empty),
+    ``add_scheduled_decay`` for a function of the step."""
+    return add_scheduled_decay(rate) if callable(rate) else optax.add_decayed_weights(rate)
+
+
+Decay = Callable[[Callable[[jax.Array], jax.Array] | float], optax.GradientTransformation]
+
+
+def descend(direction: optax.GradientTransformation, learning_rate: optax.ScalarOrSchedule,
+            weight_decay: float, method: WeightDecayMethod = "decoupled",
+            decay: Decay = add_decay) -> optax.GradientTransformation:
+    """``-lr * direction`` with weight decay by ``method`` (p: the weights before the step):
+
+      decoupled:   p -= lr * wd * p         (Loshchilov & Hutter; optax.adamw's)
+      independent: p -= wd * p              (not tied to the learning rate)
+      l2:          g += wd * p              (before ``direction``: enters its moments)
+      palm:        p -= lr^2 * wd * p       (PaLM's lr-squared decay)
+
+    ``decay(rate)`` adds ``rate * p`` to the updates after ``direction`` (``rate`` a
+    number or a function of the step); SOAP's skips its basis-building first step.
+
+    References:
+      Loshchilov & Hutter, "Decoupled Weight Decay Regularization",
+        arXiv:1711.05101, 2017.
+      Chowdhery et al., "PaLM: Scaling Language Modeling with Pathways",
+        arXiv:2204.02311, 2022.
+    """
+    if method not in WEIGHT_DECAY_METHODS:
+        raise ValueError(f"unknown weight_decay_method {method!r}; one of {WEIGHT_DECAY_METHODS}")
+    lr = optax.scale_by_learning_rate(learning_rate)
+    if method == "l2":
+        return optax.chain(add_decay(weight_decay), direction, lr)
+    if method == "decoupled":
+        return optax.chain(direction, decay(weight_decay), lr)
+    if method == "independent":   # after the -lr scaling: -lr * d - wd * p
+        return optax.chain(direction, lr, decay(-weight_decay))
+    return optax.chain(direction, decay(lambda count: weight_decay * at_step(learning_rate, count)),
+                       lr)

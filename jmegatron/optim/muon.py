@@ -3,18 +3,18 @@
 from __future__ import annotations
 
 import math
-from typing import Literal, NamedTuple
+from typing import Callable, Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
 
 from jmegatron.optim.coefficients import CoefficientSet, coefficient_set
-from jmegatron.optim.newton_schulz import newton_schulz, ns_flops
-from jmegatron.optim.matrix import (AdamW, PlanSource, held_zeros, scale_by_matrix_optimizer,
-                                    with_adamw)
+from jmegatron.optim.newton_schulz import NSMethod, newton_schulz, ns_flops
+from jmegatron.optim.matrix import (AdamW, PlanSource, WeightDecayMethod, descend, held_zeros,
+                                    scale_by_matrix_optimizer, with_adamw)
 from jmegatron.optim.plan import HELD, LeafPlan, ShardingPlan, matrix_state
-from jmegatron.optim.routing import Routing, map_matrices, matrix_pieces
+from jmegatron.optim.routing import Routing, from_matrices, matrix_pieces, to_matrices
 from jmegatron.optim.tensor_parallel import TensorParallel, TPMode, tp_newton_schulz
 from jmegatron.sharding.layouts import Layout
 from jmegatron.sharding.rules import DEFAULT_RULES, Rules
@@ -49,7 +49,7 @@ def update_scale(mode: ScaleMode, fan_in: int, fan_out: int,
     return base[mode] * rms_factor
 
 
-def _momentum_step(g, m, count, beta, momentum, nesterov, bias_correction):
+def momentum_step(g, m, count, beta, momentum, nesterov, bias_correction):
     """New momentum and the direction to orthogonalize (fp32)."""
     if momentum == "ema":
         m = beta * m + (1 - beta) * g
@@ -63,6 +63,44 @@ def _momentum_step(g, m, count, beta, momentum, nesterov, bias_correction):
     raise ValueError(f"momentum must be 'ema' or 'sum', got {momentum!r}")
 
 
+OrthogonalBlocks = Callable[[jax.Array, LeafPlan], list[tuple[jax.Array, int, int]]]
+
+
+def newton_schulz_blocks(coefficients, steps: int | None, matmul_dtype, syrk: bool | str,
+                         method: NSMethod, tp_mode: TPMode, mesh: jax.sharding.Mesh | None
+                         ) -> OrthogonalBlocks:
+    """``f(u, leaf)``: Newton-Schulz of every block of a leaf ``u`` (held as its owners
+    hold it), as (orthogonal stack, fan_in, fan_out) with the fans of the matrices
+    that were orthogonalized (under blockwise tensor parallelism: a shard's).
+    Matrices split over the tensor axis use ``tp_mode``."""
+    tp = None if mesh is None else TensorParallel(mesh, tp_mode)
+    # A dtype name, not jnp.float32: optax.inject_hyperparams takes callables for schedules.
+    ns = dict(steps=steps, coefficients=coefficients, matmul_dtype=jnp.dtype(matmul_dtype),
+              syrk=syrk, method=method)
+    n_steps = coefficient_set(coefficients).default_steps if steps is None else steps
+    aol = coefficient_set(coefficients).normalization == "aol"
+
+    def blocks(u: jax.Array, leaf: LeafPlan):
+        where = leaf.placement
+        side = None if where is None else tp.side(leaf.route.spec, where.state)
+        out = []
+        for stack in to_matrices(u, leaf.route.spec):
+            fan_in, fan_out = stack.shape[-2:]
+            if tp is None:
+                out.append((newton_schulz(stack, **ns), fan_in, fan_out))
+                continue
+            mode = None if side is None else tp.mode_for(fan_in, fan_out, side, n_steps, aol)
+            if mode == "blockwise":   # each block is a matrix of its own, scale included
+                fan_in, fan_out = ((fan_in // tp.size, fan_out) if side == "in"
+                                   else (fan_in, fan_out // tp.size))
+            ortho = tp_newton_schulz(stack, side, mode, tp, **ns,
+                                     batch_spec=() if where is None else where.stack,
+                                     real=None if where is None else where.real_slots())
+            out.append((ortho, fan_in, fan_out))
+        return out
+    return blocks
+
+
 def scale_by_muon(*, coefficients: str | CoefficientSet | tuple = "quintic",
                   steps: int | None = None, beta: float = 0.95, nesterov: bool = True,
                   momentum: Literal["ema", "sum"] = "ema", bias_correction: bool = False,
@@ -71,7 +109,8 @@ def scale_by_muon(*, coefficients: str | CoefficientSet | tuple = "quintic",
                   routing: Routing = Routing(), tp_mode: TPMode = "auto",
                   mesh: jax.sharding.Mesh | None = None, layout: Layout | str | None = None,
                   rules: Rules = DEFAULT_RULES, syrk: bool | str = False,
-                  plan: ShardingPlan | None = None) -> optax.GradientTransformation:
+                  ns_method: NSMethod = "standard", plan: ShardingPlan | None = None
+                  ) -> optax.GradientTransformation:
     """Muon's direction: momentum, Newton-Schulz orthogonalization, shape scale.
 
     Every leaf it sees must be a matrix (or a stack of them) under ``routing``;
@@ -89,7 +128,8 @@ def scale_by_muon(*, coefficients: str | CoefficientSet | tuple = "quintic",
     over the tensor axis use ``tp_mode`` (duplicated, distributed, blockwise,
     or auto per matrix; see ``jmegatron.optim.tensor_parallel``). ``syrk`` runs
     Newton-Schulz's symmetric products on the SYRK kernel (see
-    ``newton_schulz``), in every mode.
+    ``newton_schulz``), in every mode; ``ns_method`` "gram" iterates on the short
+    side's Gram, "auto" wherever that saves FLOPs (``newton_schulz``).
 
     References:
       Jordan et al., "Muon: An optimizer for hidden layers in neural
@@ -99,38 +139,20 @@ def scale_by_muon(*, coefficients: str | CoefficientSet | tuple = "quintic",
         arXiv:2409.20325, 2024.
     """
     source = PlanSource(plan, routing, mesh, layout, rules)
-    mesh = source.placed_on
-    tp = None if mesh is None else TensorParallel(mesh, tp_mode)
-    # A dtype name, not jnp.float32: optax.inject_hyperparams takes callables for schedules.
-    ns = dict(steps=steps, coefficients=coefficients, matmul_dtype=jnp.dtype(matmul_dtype),
-              syrk=syrk)
-    n_steps = coefficient_set(coefficients).default_steps if steps is None else steps
-    aol = coefficient_set(coefficients).normalization == "aol"
+    orthogonal_blocks = newton_schulz_blocks(coefficients, steps, matmul_dtype, syrk, ns_method,
+                                             tp_mode, source.placed_on)
 
     def orthogonalize(u: jax.Array, leaf: LeafPlan) -> jax.Array:
-        where = leaf.placement
-        side = None if where is None else tp.side(leaf.route.spec, where.state)
-
-        def block(stack, fan_in, fan_out):
-            if tp is None:
-                return newton_schulz(stack, **ns) * update_scale(scale, fan_in, fan_out,
-                                                                 rms_factor)
-            mode = None if side is None else tp.mode_for(fan_in, fan_out, side, n_steps, aol)
-            if mode == "blockwise":   # each block is a matrix of its own, scale included
-                fan_in, fan_out = ((fan_in // tp.size, fan_out) if side == "in"
-                                   else (fan_in, fan_out // tp.size))
-            ortho = tp_newton_schulz(stack, side, mode, tp, **ns,
-                                     batch_spec=() if where is None else where.stack,
-                                     real=None if where is None else where.real_slots())
-            return ortho * update_scale(scale, fan_in, fan_out, rms_factor)
-        return map_matrices(block, u, leaf.route.spec)
+        scaled = [ortho * update_scale(scale, fan_in, fan_out, rms_factor)
+                  for ortho, fan_in, fan_out in orthogonal_blocks(u, leaf)]
+        return from_matrices(scaled, leaf.route.spec, u.shape)
 
     def init_stack(x, leaf):
         return (held_zeros(x, leaf, momentum_dtype or x.dtype),)
 
     def update_stack(g, fields, count, leaf):
         (m,) = fields
-        m32, direction = _momentum_step(g, m.astype(jnp.float32), count, beta, momentum,
+        m32, direction = momentum_step(g, m.astype(jnp.float32), count, beta, momentum,
                                         nesterov, bias_correction)
         return orthogonalize(direction, leaf), (m32.astype(m.dtype),)
 
@@ -143,41 +165,41 @@ def muon(learning_rate: optax.ScalarOrSchedule, *,
          beta: float = 0.95, nesterov: bool = True, momentum: Literal["ema", "sum"] = "ema",
          bias_correction: bool = False, momentum_dtype=None, scale: ScaleMode = "spectral",
          rms_factor: float | None = None, weight_decay: float = 0.0,
+         weight_decay_method: WeightDecayMethod = "decoupled",
          matmul_dtype="float32", routing: Routing = Routing(), tp_mode: TPMode = "auto",
          mesh: jax.sharding.Mesh | None = None, layout: Layout | str | None = None,
-         rules: Rules = DEFAULT_RULES, syrk: bool | str = False,
+         rules: Rules = DEFAULT_RULES, syrk: bool | str = False, ns_method: NSMethod = "standard",
          plan: ShardingPlan | None = None, adamw: AdamW = AdamW()
          ) -> optax.GradientTransformation:
     """Muon for hidden matrices, AdamW (``adamw``'s options) for every other leaf
     (see ``routing``; ``plan`` as for ``scale_by_muon``).
 
-    Matrices get ``-lr * (scale * NS(momentum) + weight_decay * W)`` (decoupled
-    decay); with the default spectral scale x 0.2 (Moonlight), one learning rate
-    suits both groups. ``describe(params, routing)`` prints who gets what.
+    Matrices get ``-lr * scale * NS(momentum)`` and weight decay by
+    ``weight_decay_method`` (default decoupled: ``- lr * weight_decay * W``; see
+    ``jmegatron.optim.matrix.descend``); with the default spectral scale x 0.2
+    (Moonlight), one learning rate suits both groups. ``describe(params, routing)``
+    prints who gets what.
 
     References:
       Jordan et al., "Muon: An optimizer for hidden layers in neural
         networks", 2024 (kellerjordan.github.io/posts/muon).
       Liu et al., "Muon is Scalable for LLM Training", arXiv:2502.16982, 2025.
-      Loshchilov & Hutter, "Decoupled Weight Decay Regularization",
-        arXiv:1711.05101, 2017.
     """
-    matrix = optax.chain(
-        scale_by_muon(coefficients=coefficients, steps=steps, beta=beta, nesterov=nesterov,
-                      momentum=momentum, bias_correction=bias_correction,
-                      momentum_dtype=momentum_dtype, scale=scale, rms_factor=rms_factor,
-                      matmul_dtype=matmul_dtype, routing=routing, tp_mode=tp_mode,
-                      mesh=mesh, layout=layout, rules=rules, syrk=syrk, plan=plan),
-        optax.add_decayed_weights(weight_decay),
-        optax.scale_by_learning_rate(learning_rate))
+    direction = scale_by_muon(
+        coefficients=coefficients, steps=steps, beta=beta, nesterov=nesterov, momentum=momentum,
+        bias_correction=bias_correction, momentum_dtype=momentum_dtype, scale=scale,
+        rms_factor=rms_factor, matmul_dtype=matmul_dtype, routing=routing, tp_mode=tp_mode,
+        mesh=mesh, layout=layout, rules=rules, syrk=syrk, ns_method=ns_method, plan=plan)
+    matrix = descend(direction, learning_rate, weight_decay, weight_decay_method)
     return with_adamw("muon", matrix, PlanSource(plan, routing, mesh, layout, rules),
                       learning_rate, adamw)
 
 
 def muon_flops(params, routing: Routing = Routing(), steps: int | None = None,
-               coefficients: str | CoefficientSet | tuple = "quintic", syrk: bool = False) -> int:
+               coefficients: str | CoefficientSet | tuple = "quintic", syrk: bool = False,
+               ns_method: NSMethod = "standard") -> int:
     """Newton-Schulz FLOPs of one Muon step on ``params`` (``syrk``: counted from
-    the SYRK kernel's tiles, see ``ns_flops``)."""
+    the SYRK kernel's tiles; ``ns_method`` as run; see ``ns_flops``)."""
     n = coefficient_set(coefficients).default_steps if steps is None else steps
-    return sum(p.count * ns_flops(p.fan_in, p.fan_out, n, syrk)
+    return sum(p.count * ns_flops(p.fan_in, p.fan_out, n, syrk, ns_method)
                for p in matrix_pieces(params, routing))

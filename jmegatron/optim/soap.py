@@ -33,17 +33,17 @@ computes the whole matrix (duplicated).
 
 from __future__ import annotations
 
-from typing import NamedTuple
+import functools
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
 from jax import lax
-from jax.sharding import PartitionSpec as P
 
-from jmegatron.optim.matrix import (AdamW, PlanSource, held_zeros, matrix_leaves,
+from jmegatron.optim.matrix import (AdamW, PlanSource, WeightDecayMethod, at_step, descend,
+                                    held_zeros, matrix_leaves, on_owners, per_matrix,
                                     scale_by_matrix_optimizer, with_adamw)
-from jmegatron.optim.placement import Placement
 from jmegatron.optim.plan import BLOCKS, HELD, ShardingPlan, matrix_state
 from jmegatron.optim.routing import Routing, from_matrices, matrix_pieces, to_matrices
 from jmegatron.sharding.layouts import Layout
@@ -88,15 +88,7 @@ def _accumulate(f: Factors, g, beta: float) -> Factors:
         right=ema(f.right, jnp.einsum("...ki,...kj->...ij", g, g, precision=_HIGHEST)))
 
 
-def _per_matrix(fn, x):
-    """``fn`` on every matrix of a stack [..., k, k]. On CPU one at a time: XLA:CPU
-    splits a batched eigh or QR over the thread pool its devices also run on,
-    and with 8 virtual devices waiting on each other that deadlocks (seen with
-    jaxlib 0.10.2). Elsewhere batched."""
-    if jax.default_backend() != "cpu" or x.ndim == 2:
-        return fn(x)
-    flat = x.reshape(-1, *x.shape[-2:])
-    return lax.map(fn, flat).reshape(x.shape)
+_per_matrix = per_matrix   # the name soap-like optimizers import
 
 
 def _eigenbasis(factor):
@@ -165,11 +157,46 @@ def soap_block(g, mu, nu, f: Factors, count, *, b1: float, b2: float, shampoo_be
     return lax.cond(count == 1, first, later)
 
 
-def _empty_factors(stack_shape: tuple[int, ...], max_precond_dim: int) -> Factors:
-    """Zero factors and bases of a block stack [*batch, m, n] (None: identity side)."""
+def _empty_factors(stack_shape: tuple[int, ...], max_precond_dim: int,
+                   basis: str = "zeros") -> Factors:
+    """Zero factors of a block stack [*batch, m, n] (None: identity side) and bases
+    of zeros (SOAP: its first step builds them by eigh) or ``"identity"``."""
     *batch, m, n = stack_shape
-    side = lambda k: None if k > max_precond_dim else jnp.zeros((*batch, k, k), jnp.float32)
-    return Factors(side(m), side(n), side(m), side(n))
+    zeros = lambda k: jnp.zeros((*batch, k, k), jnp.float32)
+    eye = lambda k: jnp.broadcast_to(jnp.eye(k, dtype=jnp.float32), (*batch, k, k))
+    start = eye if basis == "identity" else zeros
+    side = lambda k, make: None if k > max_precond_dim else make(k)
+    return Factors(side(m, zeros), side(n, zeros), side(m, start), side(n, start))
+
+
+BlockStep = Callable[..., tuple]   # (g, mu, nu, factors, count) -> (direction, mu, nu, factors)
+
+
+def scale_by_eigenbasis_adam(who: str, block: BlockStep, max_precond_dim: int,
+                             source: PlanSource, basis: str = "zeros"
+                             ) -> optax.GradientTransformation:
+    """The skeleton of SOAP-like optimizers (Adam in a per-block eigenbasis, state
+    ``SoapState``): ``block`` steps one stack of blocks; the bases start as
+    ``basis`` (see ``_empty_factors``)."""
+    mesh = source.placed_on
+
+    def init_stack(x, leaf):
+        zeros = held_zeros(x, leaf, jnp.float32)
+        factors = tuple(_empty_factors(s.shape, max_precond_dim, basis)
+                        for s in to_matrices(zeros, leaf.route.spec))
+        return zeros, jnp.copy(zeros), factors
+
+    def update_stack(g, fields, count, leaf):
+        mu, nu, factors = fields
+        spec, at = leaf.route.spec, leaf.placement
+        step = lambda args, count: block(*args, count)
+        blocks = [on_owners(step, args, at, mesh, count) for args in zip(
+            to_matrices(g, spec), to_matrices(mu, spec), to_matrices(nu, spec), factors)]
+        direction, m, v, f = (list(z) for z in zip(*blocks))
+        direction, m, v = (from_matrices(z, spec, g.shape) for z in (direction, m, v))
+        return direction, (m, v, tuple(f))
+
+    return scale_by_matrix_optimizer(who, SoapState, init_stack, update_stack, source)
 
 
 def scale_by_soap(*, b1: float = 0.95, b2: float = 0.95, shampoo_beta: float | None = None,
@@ -193,55 +220,21 @@ def scale_by_soap(*, b1: float = 0.95, b2: float = 0.95, shampoo_beta: float | N
     """
     if precondition_frequency < 1:
         raise ValueError(f"precondition_frequency must be >= 1, got {precondition_frequency}")
-    hyper = dict(b1=b1, b2=b2, shampoo_beta=b2 if shampoo_beta is None else shampoo_beta,
-                 eps=eps, precondition_frequency=precondition_frequency,
-                 bias_correction=bias_correction)
-    source = PlanSource(plan, routing, mesh, layout, rules)
-    mesh = source.placed_on
-
-    def init_stack(x, leaf):
-        zeros = held_zeros(x, leaf, jnp.float32)
-        factors = tuple(_empty_factors(s.shape, max_precond_dim)
-                        for s in to_matrices(zeros, leaf.route.spec))
-        return zeros, jnp.copy(zeros), factors
-
-    def update_stack(g, fields, count, leaf):
-        mu, nu, factors = fields
-        spec, at = leaf.route.spec, leaf.placement
-        blocks = [_block_step(*args, count, hyper, at, mesh) for args in zip(
-            to_matrices(g, spec), to_matrices(mu, spec), to_matrices(nu, spec), factors)]
-        direction, m, v, f = (list(z) for z in zip(*blocks))
-        direction, m, v = (from_matrices(z, spec, g.shape) for z in (direction, m, v))
-        return direction, (m, v, tuple(f))
-
-    return scale_by_matrix_optimizer("scale_by_soap", SoapState, init_stack, update_stack,
-                                     source)
+    block = functools.partial(
+        soap_block, b1=b1, b2=b2, shampoo_beta=b2 if shampoo_beta is None else shampoo_beta,
+        eps=eps, precondition_frequency=precondition_frequency, bias_correction=bias_correction)
+    return scale_by_eigenbasis_adam("scale_by_soap", block, max_precond_dim,
+                                    PlanSource(plan, routing, mesh, layout, rules))
 
 
-def _block_step(g, mu, nu, f: Factors, count, hyper: dict, at: Placement | None, mesh):
-    """``soap_block`` on a stack, in ``jax.shard_map`` when placed: each device
-    steps the whole matrices of its own slice of the stack."""
-    if at is None:
-        return soap_block(g, mu, nu, f, count, **hyper)
-    arrays, treedef = jax.tree.flatten((g, mu, nu, f))
-
-    def local(count, *arrays):
-        return jax.tree.leaves(soap_block(*jax.tree.unflatten(treedef, arrays), count, **hyper))
-
-    spec = at.blocks
-    out = jax.shard_map(local, mesh=mesh, in_specs=(P(), *(spec,) * len(arrays)),
-                        out_specs=[spec] * len(arrays))(count, *arrays)
-    direction, mu, nu, *rest = out
-    return direction, mu, nu, jax.tree.unflatten(jax.tree.structure(f), rest)
-
-
-def add_decayed_weights_after_basis_step(weight_decay: float, source: PlanSource = PlanSource(),
+def add_decayed_weights_after_basis_step(weight_decay, source: PlanSource = PlanSource(),
                                          max_precond_dim: int = 10_000
                                          ) -> optax.GradientTransformation:
-    """``optax.add_decayed_weights`` for SOAP's matrices, except on the first step of
-    every block with a preconditioned side: that step only builds the eigenbases, its
-    direction is zero, and the weights must stay exactly as they are. (A block with
-    no preconditioned side is plain Adam from the first step, and decays with it.)"""
+    """``optax.add_decayed_weights`` for SOAP's matrices (``weight_decay`` a number or
+    a function of the step), except on the first step of every block with a
+    preconditioned side: that step only builds the eigenbases, its direction is
+    zero, and the weights must stay exactly as they are. (A block with no
+    preconditioned side is plain Adam from the first step, and decays with it.)"""
 
     def init_fn(params):
         del params
@@ -254,7 +247,7 @@ def add_decayed_weights_after_basis_step(weight_decay: float, source: PlanSource
             p, spec = jax.tree.leaves(subs[i])[0], leaf.route.spec
             builds = from_matrices([jnp.full(b.shape, min(b.shape[-2:]) <= max_precond_dim)
                                     for b in to_matrices(p, spec)], spec, p.shape)
-            rate = jnp.where(builds & (state.count == 0), 0.0, weight_decay)
+            rate = jnp.where(builds & (state.count == 0), 0.0, at_step(weight_decay, state.count))
             out[i] = jax.tree.map(lambda g: g + rate * p, out[i])
         return plan.join(out), optax.ScaleByScheduleState(optax.safe_increment(state.count))
 
@@ -265,27 +258,28 @@ def soap(learning_rate: optax.ScalarOrSchedule, *, b1: float = 0.95, b2: float =
          shampoo_beta: float | None = None, eps: float = 1e-8,
          precondition_frequency: int = 10, max_precond_dim: int = 10_000,
          bias_correction: bool = True, weight_decay: float = 0.0,
+         weight_decay_method: WeightDecayMethod = "decoupled",
          routing: Routing = Routing(), mesh: jax.sharding.Mesh | None = None,
          layout: Layout | str | None = None, rules: Rules = DEFAULT_RULES,
          plan: ShardingPlan | None = None, adamw: AdamW = AdamW()
          ) -> optax.GradientTransformation:
     """SOAP for hidden matrices, AdamW (``adamw``'s options) for every other leaf (see
-    ``routing``): matrices get ``-lr * (soap_direction + weight_decay * W)``, and
-    nothing on the first step, which only builds the eigenbases (no direction, no
-    weight decay).
+    ``routing``): matrices get ``-lr * soap_direction`` and weight decay by
+    ``weight_decay_method`` (``jmegatron.optim.matrix.descend``; "l2" feeds
+    ``g + wd * W`` to the factors too), and nothing on the first step, which only
+    builds the eigenbases (no direction, no weight decay).
 
     References:
       Vyas et al., "SOAP: Improving and Stabilizing Shampoo using Adam",
         arXiv:2409.11321, 2024.
     """
     source = PlanSource(plan, routing, mesh, layout, rules)
-    matrix = optax.chain(
-        scale_by_soap(b1=b1, b2=b2, shampoo_beta=shampoo_beta, eps=eps,
-                      precondition_frequency=precondition_frequency,
-                      max_precond_dim=max_precond_dim, bias_correction=bias_correction,
-                      routing=routing, mesh=mesh, layout=layout, rules=rules, plan=plan),
-        add_decayed_weights_after_basis_step(weight_decay, source, max_precond_dim),
-        optax.scale_by_learning_rate(learning_rate))
+    direction = scale_by_soap(b1=b1, b2=b2, shampoo_beta=shampoo_beta, eps=eps,
+                              precondition_frequency=precondition_frequency,
+                              max_precond_dim=max_precond_dim, bias_correction=bias_correction,
+                              routing=routing, mesh=mesh, layout=layout, rules=rules, plan=plan)
+    decay = lambda rate: add_decayed_weights_after_basis_step(rate, source, max_precond_dim)
+    matrix = descend(direction, learning_rate, weight_decay, weight_decay_method, decay)
     return with_adamw("soap", matrix, source, learning_rate, adamw)
 
 

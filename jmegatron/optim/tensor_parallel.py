@@ -14,7 +14,9 @@ Megatron Muon):
                the long one (the Gram is of the short side). When the short
                side is split, the Gram is of the long side (r = long): still
                exact, but r^2 bytes per iteration; ``auto`` then prefers
-               duplicated, and ``describe`` prints the Gram size.
+               duplicated, and ``describe`` prints the Gram size. With the
+               Gram method (``method="gram"``) it sums one Gram per restart
+               segment instead: the rest is r x r and local.
   blockwise    Newton-Schulz of the local block alone, no communication: an
                approximation (block orthogonalization). Its update scale uses
                the block's shape, so a spectral-scaled block has the same RMS
@@ -35,8 +37,8 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from jmegatron.optim.coefficients import coefficient_set
-from jmegatron.optim.newton_schulz import (iterate, newton_schulz, ns_flops, resolve_schedule,
-                                           syrk_backend)
+from jmegatron.optim.newton_schulz import (NSMethod, iterate, newton_schulz, ns_flops,
+                                           resolve_method, resolve_schedule, syrk_backend)
 from jmegatron.optim.routing import MatrixSpec
 from jmegatron.sharding.rules import spec_axes
 
@@ -153,19 +155,24 @@ def tp_note(tp: TensorParallel, leaf_spec_of: Callable, steps: int | None,
 def tp_newton_schulz(stack: jax.Array, side: Side | None, mode: str, tp: TensorParallel, *,
                      batch_spec: tuple = (), steps: int | None = None, coefficients="quintic",
                      matmul_dtype=jnp.float32, syrk: bool | str = False,
-                     real: np.ndarray | None = None) -> jax.Array:
+                     method: NSMethod = "standard", real: np.ndarray | None = None) -> jax.Array:
     """Newton-Schulz of a stack [*batch, m, n] in ``jax.shard_map``: the batch dims
     split as ``batch_spec`` says (each device orthogonalizes its own matrices),
     the matrices split over ``tp.axis`` along ``side`` and handled in ``mode``
     (not "auto"), or whole when ``side`` is None. Any other split of the input
     (an fsdp-split embed dim) is gathered on the way in. ``syrk`` (see
     ``newton_schulz``) applies in every mode: in distributed, each rank's local
-    Gram is a SYRK before the psum. ``real`` marks the entries of the first
+    Gram is a SYRK before the psum. ``method`` (see ``newton_schulz``) applies
+    in every mode too: whole matrices and blocks resolve it by their own shape;
+    in distributed, "gram" sums one r x r Gram per restart segment instead of
+    one per iteration, and "auto" resolves by the per-device FLOPs
+    (``_distributed_method``). ``real`` marks the entries of the first
     batch dim that hold a matrix (``Placement.real_slots``: padding is at most
     each device's last): a device skips its padding, except in the modes that
     communicate inside Newton-Schulz."""
     schedule, normalization = resolve_schedule(coefficients, steps)
-    ns = dict(steps=steps, coefficients=coefficients, matmul_dtype=matmul_dtype, syrk=syrk)
+    ns = dict(steps=steps, coefficients=coefficients, matmul_dtype=matmul_dtype, syrk=syrk,
+              method=method)
     batch_spec = tuple(batch_spec) + (None,) * (stack.ndim - 2 - len(batch_spec))
     row, col = stack.ndim - 2, stack.ndim - 1
     unsplit = stack.shape[col] if side == "in" else stack.shape[row]
@@ -185,9 +192,12 @@ def tp_newton_schulz(stack: jax.Array, side: Side | None, mode: str, tp: TensorP
 
     def distributed(block):
         cols = jnp.swapaxes(block, row, col) if side == "in" else block   # split side last
+        resolved = _distributed_method(method, *cols.shape[-2:], len(schedule),
+                                       bool(syrk_backend(syrk)))
         out = iterate(cols, schedule, normalization, matmul_dtype,
                       sum_over_columns=lambda g: lax.psum(g, axis),
-                      max_over_columns=lambda v: lax.pmax(v, axis), syrk=syrk_backend(syrk))
+                      max_over_columns=lambda v: lax.pmax(v, axis), syrk=syrk_backend(syrk),
+                      method=resolved)
         return jnp.swapaxes(out, row, col) if side == "in" else out
 
     local = {"duplicated": duplicated, "distributed": distributed,
@@ -209,6 +219,17 @@ def tp_newton_schulz(stack: jax.Array, side: Side | None, mode: str, tp: TensorP
     # must be).
     return jax.shard_map(fn, mesh=tp.mesh, in_specs=in_specs, out_specs=spec,
                          check_vma=syrk_backend(syrk) in (None, "jnp"))(*operands)
+
+
+def _distributed_method(method: NSMethod, rows: int, local_cols: int, steps: int,
+                        syrk: bool) -> str:
+    """The Newton-Schulz variant distributed mode runs on a device's [rows, local_cols]
+    columns. The Gram side (rows) is whole on every device, so "auto" compares
+    the FLOPs of that local shape, oriented: when the rows are the longer side,
+    the Gram iteration never saves (it would need local_cols > 1.5 rows)."""
+    if method == "auto" and rows > local_cols:
+        return "standard"
+    return resolve_method(method, rows, local_cols, steps, syrk)
 
 
 def _skipping_padding(fn: Callable) -> Callable:

@@ -117,6 +117,9 @@ class MuonConfig:
     syrk: bool = False
     """Newton-Schulz's symmetric products (X X^T, A A) on the Pallas SYRK kernel, lower
     tiles only (GPU; elsewhere the plain jnp products run and FLOPs count as such)."""
+    ns_method: Literal["standard", "gram", "auto"] = "standard"
+    """Newton-Schulz on X (standard) or on the short side's Gram with one multiply by X
+    at the end (gram); auto: gram wherever it does fewer FLOPs."""
 
     def __post_init__(self):
         require("muon.momentum", self.momentum, beta(self.momentum), "in [0, 1)")
@@ -148,6 +151,57 @@ class SoapConfig:
         require("soap.eps", self.eps, non_negative(self.eps), "a finite number >= 0")
         require("soap.precondition-frequency", self.precondition_frequency,
                 self.precondition_frequency >= 1, ">= 1")
+
+
+@dataclasses.dataclass(frozen=True)
+class MopConfig:
+    """MOP's options (--optim mop): Muon's momentum, the exact polar factor by SVD."""
+
+    momentum: float = 0.95
+    nesterov: bool = False
+    scale: Literal["nuclear_norm", "spectral", "shape", "unit_rms", "none"] = "nuclear_norm"
+    """Update scale: the momentum's nuclear norm (PolarGrad) or one of Muon's."""
+    rms_factor: float | None = None
+    """Extra update factor (default: 1; 0.2 for spectral, as Muon's)."""
+
+    def __post_init__(self):
+        require("mop.momentum", self.momentum, beta(self.momentum), "in [0, 1)")
+        require("mop.rms-factor", self.rms_factor,
+                self.rms_factor is None or positive(self.rms_factor), "a finite number > 0")
+
+
+@dataclasses.dataclass(frozen=True)
+class AdaptiveMuonConfig:
+    """Adaptive Muon's options (--optim adaptive_muon); Newton-Schulz, momentum and
+    scale come from --muon.*."""
+
+    second_moment: Literal["adamuon", "normuon", "namo"] = "adamuon"
+    """adamuon: element-wise; normuon: per row or column; namo: one per matrix."""
+    beta2: float = 0.95
+    eps: float = 1e-8
+    nesterov: bool = False
+
+    def __post_init__(self):
+        require("adaptive-muon.beta2", self.beta2, beta(self.beta2), "in [0, 1)")
+        require("adaptive-muon.eps", self.eps, positive(self.eps), "a finite number > 0")
+
+
+@dataclasses.dataclass(frozen=True)
+class ReklsConfig:
+    """REKLS's options (--optim rekls): SOAP with KL-Shampoo factors and eigh every step."""
+
+    b1: float = 0.9
+    b2: float = 0.95
+    shampoo_beta: float = 0.95
+    eps: float = 1e-8
+    max_precond_dim: int = 10_000
+    """A matrix side longer than this is not preconditioned."""
+
+    def __post_init__(self):
+        for name in ("b1", "b2", "shampoo_beta"):
+            require(f"rekls.{name.replace('_', '-')}", getattr(self, name),
+                    beta(getattr(self, name)), "in [0, 1)")
+        require("rekls.eps", self.eps, positive(self.eps), "a finite number > 0")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -219,18 +273,25 @@ class TrainConfig:
     stack to the next) or balanced (heaviest stacks first, evening the per-rank
     Newton-Schulz load where the ranks do not divide a stack)."""
     data: DataConfig = DataConfig()
-    optim: Literal["muon", "soap", "adamw"] = "muon"
-    """muon or soap for hidden matrices and AdamW for the rest; adamw: AdamW for all."""
+    optim: Literal["muon", "soap", "adamw", "mop", "adaptive_muon", "rekls"] = "muon"
+    """A matrix optimizer (muon, soap, mop, adaptive_muon, rekls) for hidden matrices and
+    AdamW for the rest; adamw: AdamW for all."""
     lr: float = 3e-3
     """Peak learning rate (Muon's updates are scaled to AdamW's RMS, so one rate fits both)."""
     weight_decay: float = 0.1
-    """Decoupled weight decay on matrices and embeddings (never on norm scales)."""
+    """Weight decay on matrices and embeddings (never on norm scales)."""
+    weight_decay_method: Literal["decoupled", "independent", "l2", "palm"] = "decoupled"
+    """How a matrix optimizer decays its matrices: p -= lr*wd*p (decoupled), p -= wd*p
+    (independent), g += wd*p (l2), p -= lr^2*wd*p (palm); AdamW's are decoupled."""
     grad_clip: float = 1.0
     """Clip the global gradient norm to this (0 disables)."""
     schedule: ScheduleConfig = ScheduleConfig()
     adamw: AdamWConfig = AdamWConfig()
     muon: MuonConfig = MuonConfig()
     soap: SoapConfig = SoapConfig()
+    mop: MopConfig = MopConfig()
+    adaptive_muon: AdaptiveMuonConfig = AdaptiveMuonConfig()
+    rekls: ReklsConfig = ReklsConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     dist: DistConfig = DistConfig()
     stop_after: int | None = None
@@ -295,6 +356,16 @@ class TrainConfig:
         require("sample-tokens", self.sample_tokens, self.sample_tokens >= 0, ">= 0")
         require("microbatches", self.microbatches, self.batch_size % self.microbatches == 0,
                 f"a divisor of --batch-size {self.batch_size}")
+        if self.optim == "adaptive_muon" and self.adaptive_muon.second_moment == "namo":
+            require("weight-decay-method", self.weight_decay_method,
+                    self.weight_decay_method != "l2", "not l2 with --adaptive-muon.second-moment "
+                    "namo (its second moment would see the decayed gradient)")
+
+    @property
+    def optimizer_groups(self) -> tuple[str, ...]:
+        """The option groups ``optim`` reads (besides adamw's)."""
+        return {"muon": ("muon",), "soap": ("soap",), "mop": ("mop",), "rekls": ("rekls",),
+                "adaptive_muon": ("adaptive_muon", "muon"), "adamw": ()}[self.optim]
 
     @property
     def microbatch_size(self) -> int:

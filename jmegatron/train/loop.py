@@ -175,7 +175,9 @@ class Trainer:
         where = source.directory / str(step)
         changes = {}
         if meta.get("format") == FORMAT:   # older formats are refused by restore itself
-            changes = run_folder.changed_settings(meta["run"], run_folder.run_settings(self.cfg))
+            defaults = run_folder.run_settings(TrainConfig(optim=self.cfg.optim))
+            changes = run_folder.changed_settings(meta["run"], run_folder.run_settings(self.cfg),
+                                                  defaults)
             refused = run_folder.refused_changes(changes, self.cfg.allow_change)
             if refused:
                 raise CheckpointError(

@@ -8,8 +8,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jmegatron.optim import (ADAMW, AdamW, Routing, ShardingPlan, TensorParallel, make_plan,
-                             muon, muon_flops, soap, soap_flops)
+from jmegatron.optim import (ADAMW, AdamW, Routing, ShardingPlan, TensorParallel, adaptive_muon,
+                             make_plan, mop, mop_flops, muon, muon_flops, rekls, rekls_flops,
+                             soap, soap_flops)
 from jmegatron.optim.newton_schulz import syrk_backend
 from jmegatron.optim.tensor_parallel import tp_note
 from jmegatron.sharding import rules as ax
@@ -53,7 +54,7 @@ class Optimizer:
 
     tx: optax.GradientTransformation
     schedule: optax.Schedule
-    leaf_groups: tuple[str, ...]    # "muon", "soap" or "adamw" per trained leaf, in leaf order
+    leaf_groups: tuple[str, ...]    # the optimizer's name or "adamw" per trained leaf, in order
     flops_per_step: int             # matrix-optimizer matmul FLOPs of one step (0 for AdamW)
     routing_table: str              # who gets which optimizer (``describe``), who owns what
     plan: ShardingPlan              # where every leaf of params and state lives
@@ -63,48 +64,76 @@ def routing_of(cfg: TrainConfig) -> Routing:
     return Routing(split_qkv=cfg.muon.split_qkv, per_head=cfg.muon.per_head)
 
 
+MATRIX_OPTIMIZERS = ("muon", "soap", "mop", "adaptive_muon", "rekls")
+
+
 def _matrix_optimizer(cfg: TrainConfig, schedule, adam_schedule,
                       plan: ShardingPlan) -> optax.GradientTransformation:
-    a = cfg.adamw
-    adamw = AdamW(adam_schedule, a.b1, a.b2, a.eps, cfg.weight_decay, decay_mask)
+    """``cfg.optim`` for the plan's matrices and AdamW for the other leaves."""
+    a, m = cfg.adamw, cfg.muon
+    common = dict(weight_decay=cfg.weight_decay, weight_decay_method=cfg.weight_decay_method,
+                  plan=plan, adamw=AdamW(adam_schedule, a.b1, a.b2, a.eps, cfg.weight_decay,
+                                         decay_mask))
+    newton_schulz = dict(coefficients=m.ns_coefficients, steps=m.ns_steps, scale=m.scale,
+                         rms_factor=m.rms_factor, matmul_dtype=jnp.dtype(m.ns_dtype),
+                         tp_mode=m.tp_mode, syrk=m.syrk, ns_method=m.ns_method)
+    if cfg.optim == "muon":
+        return muon(schedule, beta=m.momentum, **newton_schulz, **common)
+    if cfg.optim == "adaptive_muon":
+        ada = cfg.adaptive_muon
+        return adaptive_muon(schedule, second_moment=ada.second_moment, beta2=ada.beta2,
+                             eps=ada.eps, beta=m.momentum, nesterov=ada.nesterov,
+                             **newton_schulz, **common)
+    if cfg.optim == "mop":
+        p = cfg.mop
+        return mop(schedule, beta=p.momentum, nesterov=p.nesterov, scale=p.scale,
+                   rms_factor=p.rms_factor, **common)
     if cfg.optim == "soap":
         s = cfg.soap
         return soap(schedule, b1=s.b1, b2=s.b2, shampoo_beta=s.shampoo_beta, eps=s.eps,
                     precondition_frequency=s.precondition_frequency,
-                    max_precond_dim=s.max_precond_dim, weight_decay=cfg.weight_decay,
-                    plan=plan, adamw=adamw)
+                    max_precond_dim=s.max_precond_dim, **common)
+    r = cfg.rekls
+    return rekls(schedule, b1=r.b1, b2=r.b2, shampoo_beta=r.shampoo_beta, eps=r.eps,
+                 max_precond_dim=r.max_precond_dim, **common)
+
+
+def _matrix_flops(cfg: TrainConfig, abstract_params, routing: Routing) -> int:
+    """Matmul FLOPs of one step of ``cfg.optim`` on the matrices."""
     m = cfg.muon
-    return muon(schedule, coefficients=m.ns_coefficients, steps=m.ns_steps, beta=m.momentum,
-                scale=m.scale, rms_factor=m.rms_factor, weight_decay=cfg.weight_decay,
-                matmul_dtype=jnp.dtype(m.ns_dtype), tp_mode=m.tp_mode, syrk=m.syrk,
-                plan=plan, adamw=adamw)
+    if cfg.optim in ("muon", "adaptive_muon"):
+        # SYRK's tile count only where the kernel runs (auto: jnp products on CPU).
+        kernel = m.syrk and syrk_backend(True) != "jnp"
+        return muon_flops(abstract_params, routing, m.ns_steps, m.ns_coefficients, kernel,
+                          m.ns_method)
+    if cfg.optim == "mop":
+        return mop_flops(abstract_params, routing)
+    if cfg.optim == "soap":
+        return soap_flops(abstract_params, routing, cfg.soap.precondition_frequency,
+                          cfg.soap.max_precond_dim)
+    return rekls_flops(abstract_params, routing, cfg.rekls.max_precond_dim)
 
 
 def make_optimizer(cfg: TrainConfig, abstract_params, mesh: jax.sharding.Mesh | None = None,
                    layout: Layout | None = None) -> Optimizer:
-    """Global-norm clipping, then Muon or SOAP + AdamW (``--optim muon|soap``) or AdamW,
-    on the plan of ``abstract_params`` (``make_plan``) made here, once."""
+    """Global-norm clipping, then a matrix optimizer + AdamW (``--optim``, one of
+    ``MATRIX_OPTIMIZERS``) or AdamW, on the plan of ``abstract_params``
+    (``make_plan``) made here, once."""
     plan = make_plan(abstract_params, mesh, layout, routing_of(cfg))
     trained = plan.for_optimizer()
     schedule = make_schedule(cfg.schedule, cfg.lr, cfg.steps)
     adam_schedule = (schedule if cfg.adamw.lr is None
                      else make_schedule(cfg.schedule, cfg.adamw.lr, cfg.steps))
     a, m = cfg.adamw, cfg.muon
-    if cfg.optim in ("muon", "soap"):
+    if cfg.optim in MATRIX_OPTIMIZERS:
         main = _matrix_optimizer(cfg, schedule, adam_schedule, trained)
         groups = tuple(cfg.optim if leaf.is_matrix else ADAMW for leaf in trained.leaves)
-        if cfg.optim == "muon":
-            # SYRK's tile count only where the kernel runs (auto: jnp products on CPU).
-            kernel = m.syrk and syrk_backend(True) != "jnp"
-            flops = muon_flops(abstract_params, plan.routing, m.ns_steps, m.ns_coefficients, kernel)
+        flops = _matrix_flops(cfg, abstract_params, plan.routing)
+        note = None
+        if mesh is not None and cfg.optim in ("muon", "adaptive_muon"):
             by_path = {leaf.path: leaf for leaf in trained.leaves}
-            note = None if mesh is None else tp_note(
-                TensorParallel(mesh, m.tp_mode), lambda leaf: by_path[leaf.path].held,
-                m.ns_steps, m.ns_coefficients)
-        else:
-            flops = soap_flops(abstract_params, plan.routing, cfg.soap.precondition_frequency,
-                               cfg.soap.max_precond_dim)
-            note = None
+            note = tp_note(TensorParallel(mesh, m.tp_mode), lambda leaf: by_path[leaf.path].held,
+                           m.ns_steps, m.ns_coefficients)
         table = trained.describe(cfg.optim, note)
     elif cfg.optim == "adamw":
         main = optax.adamw(adam_schedule, b1=a.b1, b2=a.b2, eps=a.eps,

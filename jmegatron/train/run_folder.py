@@ -54,11 +54,11 @@ def clear_run_folder(run_dir: Path) -> None:
 def run_settings(cfg: TrainConfig) -> dict[str, object]:
     """The settings that define a run, by dotted flag name (``model.d_model``, ``lr``,
     ``schedule.kind`` ...): what a resume must keep unless --allow-change names it."""
-    matrix = {"muon": cfg.muon, "soap": cfg.soap}.get(cfg.optim)
     groups = {"model": cfg.model, "data": cfg.data, "schedule": cfg.schedule,
-              "adamw": cfg.adamw, **({cfg.optim: matrix} if matrix else {})}
-    flat = {k: getattr(cfg, k) for k in ("optim", "lr", "weight_decay", "grad_clip", "z_loss",
-                                         "seed", "batch_size", "seq_len", "steps")}
+              "adamw": cfg.adamw, **{name: getattr(cfg, name) for name in cfg.optimizer_groups}}
+    flat = {k: getattr(cfg, k) for k in ("optim", "lr", "weight_decay", "weight_decay_method",
+                                         "grad_clip", "z_loss", "seed", "batch_size", "seq_len",
+                                         "steps")}
     for group, value in groups.items():
         for key, item in _flatten(dataclasses.asdict(value), group).items():
             if not (group == "model" and key.split(".")[1] in FREE_MODEL_FIELDS):
@@ -74,8 +74,10 @@ def _flatten(tree: dict, prefix: str) -> dict[str, object]:
     return out
 
 
-def changed_settings(saved: dict, now: dict) -> dict[str, tuple]:
-    """{name: (saved value, value now)} for every setting that differs."""
+def changed_settings(saved: dict, now: dict, defaults: dict | None = None) -> dict[str, tuple]:
+    """{name: (saved value, value now)} for every setting that differs. A setting the
+    saved run predates (absent from ``saved``) ran at its value in ``defaults``."""
+    saved = {**(defaults or {}), **saved}
     missing = object()
     return {k: (saved.get(k), now.get(k)) for k in sorted(set(saved) | set(now))
             if saved.get(k, missing) != now.get(k, missing)}

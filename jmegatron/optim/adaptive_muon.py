@@ -1,0 +1,175 @@
+"""Adaptive Muon: a second moment on Muon's orthogonalized update (AdaMuon, NorMuon, NAMO).
+
+Per block, with O = NS(direction) (Newton-Schulz, no scale), G the gradient,
+D the momentum direction that was orthogonalized and v the second moment:
+
+  adamuon: v <- lerp(v, O^2, 1 - beta2);                   O / (sqrt(v) + eps)
+  normuon: v <- lerp(v, mean of O^2 over the shorter side, 1 - beta2)
+           (over fan_in when square; v holds one value per row or column);
+           O * rsqrt(max(v, eps)), rescaled to O's Frobenius norm
+  namo:    v <- lerp(v, ||G||_F^2, 1 - beta2);              O * ||D||_F / (sqrt(v) + eps)
+
+then Muon's shape scale. Newton-Schulz runs as Muon's does (tensor-parallel
+modes, layouts); the statistics are plain array code on the update as its
+owners hold it, so under the owner layout they are local, and a matrix split
+over the tensor axis is reduced where XLA places it.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, NamedTuple, get_args
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from jmegatron.optim.coefficients import CoefficientSet
+from jmegatron.optim.matrix import (AdamW, PlanSource, WeightDecayMethod, descend, held_zeros,
+                                    scale_by_matrix_optimizer, with_adamw)
+from jmegatron.optim.muon import (ScaleMode, momentum_step, newton_schulz_blocks,
+                                  update_scale)
+from jmegatron.optim.newton_schulz import NSMethod
+from jmegatron.optim.plan import BLOCKS, HELD, LeafPlan, ShardingPlan, matrix_state
+from jmegatron.optim.routing import Routing, from_matrices, to_matrices
+from jmegatron.optim.tensor_parallel import TPMode
+from jmegatron.sharding.layouts import Layout
+from jmegatron.sharding.rules import DEFAULT_RULES, Rules
+
+SecondMoment = Literal["adamuon", "normuon", "namo"]
+
+
+@matrix_state(momentum=HELD, nu=HELD)
+class AdaMuonState(NamedTuple):
+    count: jax.Array              # int32 scalar
+    momentum: optax.Updates       # mirrors the params, held as the owners hold them
+    nu: optax.Updates             # element-wise second moment, likewise
+
+
+@matrix_state(momentum=HELD, nu=BLOCKS)
+class ReducedMomentState(NamedTuple):
+    count: jax.Array
+    momentum: optax.Updates
+    nu: optax.Updates             # per leaf a tuple per block: [*stack, 1, n] / [*stack, m, 1]
+                                  # (normuon) or [*stack, 1, 1] (namo)
+
+
+def _normuon_axis(fan_in: int, fan_out: int) -> int:
+    """The axis NorMuon averages over: the shorter side's, fan_in when square."""
+    return -2 if fan_in <= fan_out else -1
+
+
+def _frobenius(x: jax.Array) -> jax.Array:
+    return jnp.sqrt(jnp.sum(jnp.square(x), axis=(-2, -1), keepdims=True))
+
+
+def _reduced_zeros(stack: jax.Array, second_moment: SecondMoment) -> jax.Array:
+    """The second moment of a block stack [*stack, m, n] under normuon or namo."""
+    *batch, m, n = stack.shape
+    if second_moment == "namo":
+        return jnp.zeros((*batch, 1, 1), jnp.float32)
+    axis = _normuon_axis(m, n)
+    return jnp.zeros((*batch, 1, n) if axis == -2 else (*batch, m, 1), jnp.float32)
+
+
+def normalize(o, v, g, d, second_moment: SecondMoment, beta2: float, eps: float):
+    """(normalized update, new v) of one block stack; see the module docstring."""
+    if second_moment == "adamuon":
+        v = beta2 * v + (1 - beta2) * jnp.square(o)
+        return o / (jnp.sqrt(v) + eps), v
+    if second_moment == "normuon":
+        axis = _normuon_axis(*o.shape[-2:])
+        v = beta2 * v + (1 - beta2) * jnp.mean(jnp.square(o), axis=axis, keepdims=True)
+        u = o * jax.lax.rsqrt(jnp.maximum(v, eps))
+        return u * (_frobenius(o) / jnp.maximum(_frobenius(u), eps)), v
+    v = beta2 * v + (1 - beta2) * jnp.sum(jnp.square(g), axis=(-2, -1), keepdims=True)
+    return o * (_frobenius(d) / (jnp.sqrt(v) + eps)), v
+
+
+def scale_by_adaptive_muon(*, second_moment: SecondMoment = "adamuon", beta2: float = 0.95,
+                           eps: float = 1e-8, beta: float = 0.95, nesterov: bool = False,
+                           coefficients: str | CoefficientSet | tuple = "quintic",
+                           steps: int | None = None, scale: ScaleMode = "spectral",
+                           rms_factor: float | None = None, momentum_dtype=None,
+                           matmul_dtype="float32", routing: Routing = Routing(),
+                           tp_mode: TPMode = "auto", mesh: jax.sharding.Mesh | None = None,
+                           layout: Layout | str | None = None, rules: Rules = DEFAULT_RULES,
+                           syrk: bool | str = False, ns_method: NSMethod = "standard",
+                           plan: ShardingPlan | None = None) -> optax.GradientTransformation:
+    """Adaptive Muon's direction for matrix leaves: EMA momentum (``g`` weighted
+    ``1 - beta``), Newton-Schulz, ``second_moment`` normalization (module
+    docstring), then ``update_scale(scale, ...)``. Newton-Schulz, ``mesh``,
+    ``layout`` and ``plan`` as for ``scale_by_muon``.
+
+    References:
+      Si et al., "AdaMuon: Adaptive Muon Optimizer", arXiv:2507.11005, 2025.
+      Li et al., "NorMuon: Making Muon more efficient and scalable",
+        arXiv:2510.05491, 2025.
+      NAMO, arXiv:2602.17080, 2026; NVIDIA Emerging-Optimizers 0.3.0,
+        ``AdaptiveMuon``.
+    """
+    if second_moment not in get_args(SecondMoment):
+        raise ValueError(f"unknown second_moment {second_moment!r}; "
+                         f"one of {get_args(SecondMoment)}")
+    source = PlanSource(plan, routing, mesh, layout, rules)
+    orthogonal_blocks = newton_schulz_blocks(coefficients, steps, matmul_dtype, syrk, ns_method,
+                                             tp_mode, source.placed_on)
+    elementwise = second_moment == "adamuon"
+    state_type = AdaMuonState if elementwise else ReducedMomentState
+
+    def init_stack(x, leaf: LeafPlan):
+        momentum = held_zeros(x, leaf, momentum_dtype or x.dtype)
+        if elementwise:
+            return momentum, held_zeros(x, leaf, jnp.float32)
+        return momentum, tuple(_reduced_zeros(b, second_moment)
+                               for b in to_matrices(momentum, leaf.route.spec))
+
+    def update_stack(g, fields, count, leaf: LeafPlan):
+        m, nu = fields
+        m32, d = momentum_step(g, m.astype(jnp.float32), count, beta, "ema", nesterov, False)
+        spec = leaf.route.spec
+        nus = to_matrices(nu, spec) if elementwise else nu
+        out, new_nu = [], []
+        for (o, fan_in, fan_out), v, gb, db in zip(orthogonal_blocks(d, leaf), nus,
+                                                   to_matrices(g, spec), to_matrices(d, spec)):
+            u, v = normalize(o, v, gb, db, second_moment, beta2, eps)
+            out.append(u * update_scale(scale, fan_in, fan_out, rms_factor))
+            new_nu.append(v)
+        nu = from_matrices(new_nu, spec, g.shape) if elementwise else tuple(new_nu)
+        return from_matrices(out, spec, g.shape), (m32.astype(m.dtype), nu)
+
+    return scale_by_matrix_optimizer("scale_by_adaptive_muon", state_type, init_stack,
+                                     update_stack, source)
+
+
+def adaptive_muon(learning_rate: optax.ScalarOrSchedule, *,
+                  second_moment: SecondMoment = "adamuon", beta2: float = 0.95,
+                  eps: float = 1e-8, beta: float = 0.95, nesterov: bool = False,
+                  coefficients: str | CoefficientSet | tuple = "quintic",
+                  steps: int | None = None, scale: ScaleMode = "spectral",
+                  rms_factor: float | None = None, weight_decay: float = 0.0,
+                  weight_decay_method: WeightDecayMethod = "decoupled", momentum_dtype=None,
+                  matmul_dtype="float32", routing: Routing = Routing(), tp_mode: TPMode = "auto",
+                  mesh: jax.sharding.Mesh | None = None, layout: Layout | str | None = None,
+                  rules: Rules = DEFAULT_RULES, syrk: bool | str = False,
+                  ns_method: NSMethod = "standard", plan: ShardingPlan | None = None,
+                  adamw: AdamW = AdamW()) -> optax.GradientTransformation:
+    """Adaptive Muon for hidden matrices, AdamW (``adamw``'s options) for the other
+    leaves: matrices get ``-lr * scale * normalized(NS(momentum))`` and weight decay
+    by ``weight_decay_method`` (``jmegatron.optim.matrix.descend``). "namo" refuses
+    "l2" decay (its v would see the decayed gradient, as Emerging-Optimizers says).
+
+    References:
+      Si et al., "AdaMuon", arXiv:2507.11005, 2025; Li et al., "NorMuon",
+        arXiv:2510.05491, 2025.
+    """
+    if second_moment == "namo" and weight_decay_method == "l2" and weight_decay:
+        raise ValueError('second_moment="namo" does not combine with weight_decay_method="l2"')
+    source = PlanSource(plan, routing, mesh, layout, rules)
+    direction = scale_by_adaptive_muon(
+        second_moment=second_moment, beta2=beta2, eps=eps, beta=beta, nesterov=nesterov,
+        coefficients=coefficients, steps=steps, scale=scale, rms_factor=rms_factor,
+        momentum_dtype=momentum_dtype, matmul_dtype=matmul_dtype, routing=routing,
+        tp_mode=tp_mode, mesh=mesh, layout=layout, rules=rules, syrk=syrk, ns_method=ns_method,
+        plan=plan)
+    matrix = descend(direction, learning_rate, weight_decay, weight_decay_method)
+    return with_adamw("adaptive_muon", matrix, source, learning_rate, adamw)

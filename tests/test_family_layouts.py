@@ -1,0 +1,105 @@
+"""The optimizer family under every layout: MOP, AdaMuon, NorMuon, NAMO, REKLS and
+Muon with Gram Newton-Schulz step like one device (with tensor parallelism), and
+the owner layout's optimizer step needs no collective.
+
+Two transformations cover all six at one compilation per layout: each matrix
+kind of the model goes to another optimizer (``optax.multi_transform``), the
+other leaves to Adam. Gradients are random, not a model's: every layout then
+feeds bit-identical inputs to the per-matrix math (eigh, SVD, the second
+moments' divisions), which would otherwise amplify summation-order round-off.
+REKLS runs with eps = 0.3: at its default 1e-8, its first step on a block
+preconditioned on both sides turns fp32 round-off into O(1) updates (see
+tests/test_rekls.py), so a one-ulp difference between the batched and the
+per-owner factor products would decide the result, not the layout.
+"""
+
+import dataclasses
+import functools
+
+import jax
+import optax
+import pytest
+from flax import nnx
+
+from helpers import assert_close, grads_of, optimizer_step, three_steps
+from jmegatron.models import GPT, GPTConfig
+from jmegatron.optim import (make_plan, scale_by_adaptive_muon, scale_by_mop, scale_by_muon,
+                             scale_by_rekls, trainable_params)
+from jmegatron.sharding import MeshConfig, hlo_collectives, make_mesh
+from jmegatron.sharding.layouts import LAYOUTS, make_layout
+from jmegatron.train import create_train_state
+
+MODEL = GPTConfig(vocab_size=259, d_model=32, n_layers=3, n_heads=4, n_kv_heads=2,
+                  d_ff=64).pad_vocab(2)
+LR = 0.02
+
+
+def by_matrix(optimizers: dict[str, str]):
+    """Labels: the optimizer named for each matrix kind (by path), "adam" elsewhere."""
+    def labels(params):
+        def label(path, _):
+            key = jax.tree_util.keystr(path)
+            return next((name for kind, name in optimizers.items() if f"'{kind}'" in key),
+                        "adam")
+        return jax.tree.map_with_path(label, params,
+                                      is_leaf=lambda v: isinstance(v, nnx.Variable))
+    return labels
+
+
+def family(transforms: dict, optimizers: dict[str, str]):
+    def make(**where):
+        inner = {name: optax.chain(make_direction(**where), optax.scale(-LR))
+                 for name, make_direction in transforms.items()}
+        return optax.multi_transform({**inner, "adam": optax.adam(LR)}, by_matrix(optimizers))
+    return make
+
+
+TRANSFORMS = {
+    "muon_family": family(
+        {"mop": scale_by_mop,
+         **{kind: functools.partial(scale_by_adaptive_muon, second_moment=kind)
+            for kind in ("adamuon", "normuon", "namo")}},
+        {"qkv": "mop", "out": "adamuon", "gate_up": "normuon", "down": "namo"}),
+    "rekls_and_gram": family(
+        {"rekls": functools.partial(scale_by_rekls, eps=0.3, max_precond_dim=32),
+         "gram": functools.partial(scale_by_muon, ns_method="gram")},
+        {"qkv": "rekls", "gate_up": "rekls", "out": "gram", "down": "gram"}),
+}
+
+
+@functools.cache
+def built(name: str, layout_name: str, mesh_config: MeshConfig):
+    mesh = make_mesh(mesh_config)
+    layout = make_layout(layout_name, mesh.shape)
+    make_model = lambda: GPT(dataclasses.replace(MODEL, layer_group=layout.layer_group),
+                             nnx.Rngs(0))
+    plan = make_plan(nnx.split(nnx.eval_shape(make_model))[1], mesh, layout)
+    tx = TRANSFORMS[name](mesh=mesh, layout=layout)
+    _, state = create_train_state(make_model, tx, plan)
+    return layout, tx, state
+
+
+@functools.cache
+def one_device(name: str, layer_group: int):
+    params = nnx.split(GPT(dataclasses.replace(MODEL, layer_group=layer_group), nnx.Rngs(0)))[1]
+    tx = TRANSFORMS[name]()
+    return jax.device_get(three_steps(tx, params, tx.init(trainable_params(params))))
+
+
+@pytest.mark.parametrize("layout_name", LAYOUTS)
+@pytest.mark.parametrize("name", list(TRANSFORMS))
+def test_three_steps_equal_one_device_with_tensor_parallelism(name, layout_name):
+    """data 2 x fsdp 2 x tensor 2: matrices split over the tensor axis are gathered
+    for the SVD, eigh and statistics (duplicated) or orthogonalized by Muon's
+    tensor-parallel modes."""
+    layout, tx, state = built(name, layout_name, MeshConfig(data=2, fsdp=2, tensor=2))
+    assert_close(three_steps(tx, state.params, state.opt_state),
+                 one_device(name, layout.layer_group))
+
+
+@pytest.mark.parametrize("name", list(TRANSFORMS))
+def test_owner_optimizer_step_has_no_collective(name):
+    _, tx, state = built(name, "owner", MeshConfig(fsdp=8))
+    report = hlo_collectives(jax.jit(optimizer_step(tx)), state.params, state.opt_state,
+                             grads_of(state.params, 0))
+    assert report.collectives == (), report.table()
