@@ -12,7 +12,8 @@ from jmegatron.models import GPT
 from jmegatron.optim import trainable_params
 from jmegatron.sharding.layouts import make_layout
 from jmegatron.train import create_train_state
-from jmegatron.train.checkpoint import leaf_codecs
+from jmegatron.optim.codec import LeafCodec
+from jmegatron.train.checkpoint import Checkpointer, abstract_of, leaf_codecs
 from jmegatron.train.optimizer import make_optimizer
 
 
@@ -83,3 +84,23 @@ def assert_close(got, want, rtol=1e-5, atol=1e-6):
     for (path, a), b in zip(jax.tree.leaves_with_path(got), jax.tree.leaves(want)):
         np.testing.assert_allclose(a, b, rtol=rtol, atol=atol,
                                    err_msg=jax.tree_util.keystr(path))
+
+
+def canonical(tree, codecs):
+    """``tree`` in its canonical (checkpoint) form, on the host."""
+    is_codec = lambda c: isinstance(c, LeafCodec)
+    return jax.device_get(jax.jit(lambda s: jax.tree.map(lambda c, x: c.encode(x), codecs, s,
+                                                          is_leaf=is_codec))(tree))
+
+
+def assert_restores(folder, tree, codecs, target, target_codecs):
+    """A checkpoint of ``tree`` restored into ``target``'s layout holds the same
+    canonical values."""
+    saver = Checkpointer(folder)
+    saver.save(1, tree, codecs, {})
+    saver.finish()
+    restored, _ = saver.restore(1, abstract_of(target), target_codecs)
+    saver.close()
+    for a, b in zip(jax.tree.leaves(canonical(tree, codecs)),
+                    jax.tree.leaves(canonical(restored, target_codecs))):
+        np.testing.assert_array_equal(a, b)

@@ -21,17 +21,19 @@ import optax
 import pytest
 from flax import nnx
 
-from helpers import assert_close, grads_of, optimizer_step, three_steps
+from helpers import assert_close, assert_restores, grads_of, optimizer_step, stepper, three_steps
 from jmegatron.models import GPT, GPTConfig
 from jmegatron.optim import (make_plan, scale_by_adaptive_muon, scale_by_mop, scale_by_muon,
                              scale_by_rekls, trainable_params)
 from jmegatron.sharding import MeshConfig, hlo_collectives, make_mesh
 from jmegatron.sharding.layouts import LAYOUTS, make_layout
 from jmegatron.train import create_train_state
+from jmegatron.train.checkpoint import leaf_codecs
 
 MODEL = GPTConfig(vocab_size=259, d_model=32, n_layers=3, n_heads=4, n_kv_heads=2,
                   d_ff=64).pad_vocab(2)
 LR = 0.02
+TP = MeshConfig(data=2, fsdp=2, tensor=2)
 
 
 def by_matrix(optimizers: dict[str, str]):
@@ -76,7 +78,7 @@ def built(name: str, layout_name: str, mesh_config: MeshConfig):
     plan = make_plan(nnx.split(nnx.eval_shape(make_model))[1], mesh, layout)
     tx = TRANSFORMS[name](mesh=mesh, layout=layout)
     _, state = create_train_state(make_model, tx, plan)
-    return layout, tx, state
+    return layout, tx, state, plan
 
 
 @functools.cache
@@ -92,14 +94,27 @@ def test_three_steps_equal_one_device_with_tensor_parallelism(name, layout_name)
     """data 2 x fsdp 2 x tensor 2: matrices split over the tensor axis are gathered
     for the SVD, eigh and statistics (duplicated) or orthogonalized by Muon's
     tensor-parallel modes."""
-    layout, tx, state = built(name, layout_name, MeshConfig(data=2, fsdp=2, tensor=2))
+    layout, tx, state, _ = built(name, layout_name, TP)
     assert_close(three_steps(tx, state.params, state.opt_state),
                  one_device(name, layout.layer_group))
 
 
 @pytest.mark.parametrize("name", list(TRANSFORMS))
 def test_owner_optimizer_step_has_no_collective(name):
-    _, tx, state = built(name, "owner", MeshConfig(fsdp=8))
+    _, tx, state, _ = built(name, "owner", MeshConfig(fsdp=8))
     report = hlo_collectives(jax.jit(optimizer_step(tx)), state.params, state.opt_state,
                              grads_of(state.params, 0))
     assert report.collectives == (), report.table()
+
+
+@pytest.mark.parametrize("name", list(TRANSFORMS))
+def test_state_after_a_step_restores_on_another_layout(name, tmp_path):
+    """owner -> layerwise (3 layers padded to the 2 data ranks): every field, the
+    per-row and per-matrix second moments and REKLS's factors included, comes back
+    with the same canonical values."""
+    _, tx, state, plan = built(name, "owner", TP)
+    params, opt_state = stepper(tx)(state.params, state.opt_state, grads_of(state.params, 0))
+    stepped = state._replace(params=params, opt_state=opt_state)
+    _, _, target, target_plan = built(name, "layerwise", TP)
+    assert_restores(tmp_path, stepped, leaf_codecs(stepped, plan), target,
+                    leaf_codecs(target, target_plan))

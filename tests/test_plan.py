@@ -4,7 +4,7 @@ Each chain's state is created twice: by ``jax.jit(tx.init)`` (placed by the
 constraints the skeleton puts in ``init``) and by ``create_train_state`` with
 the plan alone (placed by tree structure, no hook). Either way the matrix state
 must sit where the layout says, read from the arrays' own shards; three steps
-must equal one device's; the owner layout's optimizer step must need no
+(from the second) must equal one device's; the owner layout's optimizer step must need no
 collective; and a checkpoint must restore on the next layout.
 """
 
@@ -12,7 +12,6 @@ import dataclasses
 import functools
 
 import jax
-import numpy as np
 import optax
 import pytest
 from flax import nnx
@@ -20,13 +19,12 @@ from flax import nnx
 from jmegatron.models import GPT, GPTConfig
 from jmegatron.models.sharded import create_sharded
 from jmegatron.optim import make_plan, muon, scale_by_muon, trainable_params
-from jmegatron.optim.codec import LeafCodec
 from jmegatron.sharding import MeshConfig, hlo_collectives, make_mesh
 from jmegatron.sharding.layouts import LAYOUTS, make_layout
 from jmegatron.train import create_train_state
-from jmegatron.train.checkpoint import Checkpointer, abstract_of, leaf_codecs
+from jmegatron.train.checkpoint import leaf_codecs
 
-from helpers import assert_close, grads_of, optimizer_step, three_steps
+from helpers import assert_close, assert_restores, grads_of, optimizer_step, three_steps
 
 MODEL = GPTConfig(vocab_size=259, d_model=32, n_layers=3, n_heads=2, n_kv_heads=1,
                   d_ff=64).pad_vocab(1)
@@ -130,8 +128,10 @@ def test_user_chain_is_placed_stepped_and_checkpointed(chain, layout_name, tmp_p
             owners_hold(layout_name, path, x)
 
     reference = one_device(chain, layout.layer_group)
-    for start in (state.opt_state, jit_init):
-        assert_close(three_steps(tx, state.params, start), reference)
+    # Stepped from create_train_state's state only: jit(tx.init)'s optax moments come
+    # out replicated, so stepping from it compiles the step once more per case
+    # (about 2 minutes of the suite) to check what the placement check above shows.
+    assert_close(three_steps(tx, state.params, state.opt_state), reference)
 
     if layout_name == "owner":
         report = hlo_collectives(jax.jit(optimizer_step(tx)), state.params, state.opt_state,
@@ -145,25 +145,6 @@ def test_user_chain_is_placed_stepped_and_checkpointed(chain, layout_name, tmp_p
     _, next_plan, _, target, _ = built(chain, NEXT[layout_name])
     assert_restores(tmp_path, state, leaf_codecs(state, plan), target,
                     leaf_codecs(target, next_plan))
-
-
-def canonical(tree, codecs):
-    is_codec = lambda c: isinstance(c, LeafCodec)
-    return jax.device_get(jax.jit(lambda s: jax.tree.map(lambda c, x: c.encode(x), codecs, s,
-                                                          is_leaf=is_codec))(tree))
-
-
-def assert_restores(folder, tree, codecs, target, target_codecs):
-    """A checkpoint of ``tree`` restored into ``target``'s layout holds the same
-    canonical values."""
-    saver = Checkpointer(folder)
-    saver.save(1, tree, codecs, {})
-    saver.finish()
-    restored, _ = saver.restore(1, abstract_of(target), target_codecs)
-    saver.close()
-    for a, b in zip(jax.tree.leaves(canonical(tree, codecs)),
-                    jax.tree.leaves(canonical(restored, target_codecs))):
-        np.testing.assert_array_equal(a, b)
 
 
 def nnx_optimizer(mesh, layout):

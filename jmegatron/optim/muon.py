@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import optax
 
 from jmegatron.optim.coefficients import CoefficientSet, coefficient_set
-from jmegatron.optim.newton_schulz import NSMethod, newton_schulz, ns_flops
+from jmegatron.optim.newton_schulz import NS_METHODS, NSMethod, newton_schulz, ns_flops
 from jmegatron.optim.matrix import (AdamW, PlanSource, WeightDecayMethod, descend, held_zeros,
                                     scale_by_matrix_optimizer, with_adamw)
 from jmegatron.optim.plan import HELD, LeafPlan, ShardingPlan, matrix_state
@@ -73,6 +73,8 @@ def newton_schulz_blocks(coefficients, steps: int | None, matmul_dtype, syrk: bo
     hold it), as (orthogonal stack, fan_in, fan_out) with the fans of the matrices
     that were orthogonalized (under blockwise tensor parallelism: a shard's).
     Matrices split over the tensor axis use ``tp_mode``."""
+    if method not in NS_METHODS:
+        raise ValueError(f"unknown Newton-Schulz method {method!r}; one of {NS_METHODS}")
     tp = None if mesh is None else TensorParallel(mesh, tp_mode)
     # A dtype name, not jnp.float32: optax.inject_hyperparams takes callables for schedules.
     ns = dict(steps=steps, coefficients=coefficients, matmul_dtype=jnp.dtype(matmul_dtype),

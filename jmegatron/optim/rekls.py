@@ -50,7 +50,7 @@ Factors and bases are fp32, and their products run at full fp32 precision
 
 Under a mesh, each matrix is handled whole in ``jax.shard_map`` on the
 devices that hold its state, exactly as SOAP's (``jmegatron.optim.soap``).
-``eigh`` on CPU runs one matrix at a time (``soap._per_matrix``).
+``eigh`` on CPU runs one matrix at a time (``matrix.per_matrix``).
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ from jmegatron.optim.matrix import (AdamW, PlanSource, WeightDecayMethod, descen
                                     with_adamw)
 from jmegatron.optim.plan import ShardingPlan
 from jmegatron.optim.routing import Routing, matrix_pieces
-from jmegatron.optim.soap import Factors, _eigenbasis, _rotate, scale_by_eigenbasis_adam
+from jmegatron.optim.soap import Factors, eigenbasis, rotate, scale_by_eigenbasis_adam
 from jmegatron.sharding.layouts import Layout
 from jmegatron.sharding.rules import DEFAULT_RULES, Rules
 
@@ -133,13 +133,13 @@ def rekls_block(g, mu, nu, f: Factors, count, *, b1: float, b2: float, shampoo_b
         beta = 1 - (1 - shampoo_beta) / (1 - shampoo_beta ** t)
         acc = _kl_accumulate(f, g, beta, eps)
         nu = _permute_nu(acc, f, nu)
-        new = acc._replace(q_left=_eigenbasis(acc.left), q_right=_eigenbasis(acc.right))
-        mu = _rotate(_rotate(mu, f, back=True), new)
-    rotated = _rotate(g, new)
+        new = acc._replace(q_left=eigenbasis(acc.left), q_right=eigenbasis(acc.right))
+        mu = rotate(rotate(mu, f, back=True), new)
+    rotated = rotate(g, new)
     mu = b1 * mu + (1 - b1) * rotated
     nu = b2 * nu + (1 - b2) * rotated * rotated
     m_hat, v_hat = mu / (1 - b1 ** t), nu / (1 - b2 ** t)
-    direction = _rotate(m_hat / (jnp.sqrt(v_hat) + eps), new, back=True)
+    direction = rotate(m_hat / (jnp.sqrt(v_hat) + eps), new, back=True)
     return direction, mu, nu, new
 
 

@@ -69,7 +69,7 @@ class SoapState(NamedTuple):
     factors: optax.Updates        # mirrors the params: per leaf a tuple of Factors per block
 
 
-def _rotate(x, f: Factors, back: bool = False):
+def rotate(x, f: Factors, back: bool = False):
     """Q_L^T x Q_R into the eigenbasis, or with ``back`` Q_L x Q_R^T out of it."""
     left, right = (("...ik,...kj->...ij", "...ik,...jk->...ij") if back
                    else ("...ki,...kj->...ij", "...ik,...kj->...ij"))
@@ -88,14 +88,11 @@ def _accumulate(f: Factors, g, beta: float) -> Factors:
         right=ema(f.right, jnp.einsum("...ki,...kj->...ij", g, g, precision=_HIGHEST)))
 
 
-_per_matrix = per_matrix   # the name soap-like optimizers import
-
-
-def _eigenbasis(factor):
+def eigenbasis(factor):
     """Eigenvectors of a symmetric factor, by eigenvalue descending."""
     if factor is None:
         return None
-    return _per_matrix(lambda f: jnp.linalg.eigh(f)[1], factor)[..., ::-1]
+    return per_matrix(lambda f: jnp.linalg.eigh(f)[1], factor)[..., ::-1]
 
 
 def _refresh(f: Factors, nu):
@@ -112,7 +109,7 @@ def _refresh(f: Factors, nu):
         nu = jnp.take_along_axis(nu, order[..., :, None] if axis == -2 else order[..., None, :],
                                  axis=axis)
         power = jnp.matmul(factor, q, precision=_HIGHEST)
-        bases.append(_per_matrix(lambda p: jnp.linalg.qr(p)[0], power))
+        bases.append(per_matrix(lambda p: jnp.linalg.qr(p)[0], power))
     return f._replace(q_left=bases[0], q_right=bases[1]), nu
 
 
@@ -127,26 +124,26 @@ def soap_block(g, mu, nu, f: Factors, count, *, b1: float, b2: float, shampoo_be
 
     def first():            # factors from the first gradient, bases by eigh, no update
         acc = _accumulate(f, g, shampoo_beta)
-        acc = acc._replace(q_left=_eigenbasis(acc.left), q_right=_eigenbasis(acc.right))
+        acc = acc._replace(q_left=eigenbasis(acc.left), q_right=eigenbasis(acc.right))
         return jnp.zeros_like(g), mu, nu, acc
 
     def later():
-        rotated = _rotate(g, f)
+        rotated = rotate(g, f)
         new_mu = b1 * mu + (1 - b1) * rotated
         new_nu = b2 * nu + (1 - b2) * rotated * rotated
         m_hat, v_hat = new_mu, new_nu
         if bias_correction:
             m_hat = new_mu / (1 - b1 ** t.astype(jnp.float32))
             v_hat = new_nu / (1 - b2 ** t.astype(jnp.float32))
-        direction = _rotate(m_hat / (jnp.sqrt(v_hat) + eps), f, back=True)
+        direction = rotate(m_hat / (jnp.sqrt(v_hat) + eps), f, back=True)
         if not preconditioned:
             return direction, new_mu, new_nu, f
         acc = _accumulate(f, g, shampoo_beta)
 
         def refresh(acc, new_mu, new_nu):
-            plain_mu = _rotate(new_mu, acc, back=True)
+            plain_mu = rotate(new_mu, acc, back=True)
             acc, new_nu = _refresh(acc, new_nu)
-            return acc, _rotate(plain_mu, acc), new_nu
+            return acc, rotate(plain_mu, acc), new_nu
 
         acc, new_mu, new_nu = lax.cond(t % precondition_frequency == 0, refresh,
                                        lambda *args: args, acc, new_mu, new_nu)
