@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from experiments import train as train_cli
-from jmegatron.train import TrainConfig, Trainer
+from jmegatron.train import TrainConfig, Trainer, run_folder
 from jmegatron.train.checkpoint import (CheckpointConfig, CheckpointDamaged, Checkpointer,
                                         LeafCodec, abstract_of)
 from jmegatron.train.checksum import checksums_by_leaf, tree_checksums
@@ -216,6 +216,18 @@ def test_resume_with_other_settings_is_refused_naming_both_values(run):
     assert error.startswith(f"error: {run / 'checkpoints' / '6'} was written by a run with other "
                             "settings (lr: 0.003 -> 0.001, seed: 0 -> 1, steps: 6 -> 10)")
     assert error.endswith("--allow-change lr seed steps") and "\n" not in error
+
+
+def test_a_setting_the_checkpoint_predates_ran_at_its_default():
+    """A run saved before --weight-decay-method existed resumes as decoupled (the
+    default then and now) and is refused only if the setting is changed."""
+    now = run_folder.run_settings(TrainConfig())
+    defaults = run_folder.run_settings(TrainConfig())
+    saved = {k: v for k, v in now.items() if k != "weight_decay_method"}
+    assert run_folder.changed_settings(saved, now, defaults) == {}
+    palm = run_folder.run_settings(TrainConfig(weight_decay_method="palm"))
+    assert run_folder.changed_settings(saved, palm, defaults) == {
+        "weight_decay_method": ("decoupled", "palm")}
 
 
 def test_an_allowed_change_is_recorded_and_metrics_do_not_repeat(run):

@@ -96,8 +96,8 @@ class MuonConfig:
 
     momentum: float = 0.95
     """Momentum decay (an EMA, Nesterov style)."""
-    ns_coefficients: Literal["simple", "quintic", "polar_express", "cans", "aol", "cubic"] = (
-        "quintic")
+    ns_coefficients: Literal["simple", "quintic", "polar_express", "cans", "aol", "deepseekv4",
+                             "cubic"] = "quintic"
     """Newton-Schulz coefficient set."""
     ns_steps: int | None = None
     """Newton-Schulz iterations (default: the coefficient set's own, 5 for most)."""
