@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import get_args, get_type_hints
 
 import jax
 import jax.numpy as jnp
@@ -64,7 +65,9 @@ def routing_of(cfg: TrainConfig) -> Routing:
     return Routing(split_qkv=cfg.muon.split_qkv, per_head=cfg.muon.per_head)
 
 
-MATRIX_OPTIMIZERS = ("muon", "soap", "mop", "adaptive_muon", "rekls")
+# Every --optim but adamw, as the config declares them.
+MATRIX_OPTIMIZERS = tuple(name for name in get_args(get_type_hints(TrainConfig)["optim"])
+                          if name != "adamw")
 
 
 def _matrix_optimizer(cfg: TrainConfig, schedule, adam_schedule,
