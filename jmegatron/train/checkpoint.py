@@ -128,6 +128,10 @@ class Checkpointer:
             yield
         except Exception as err:
             self._unfinished = None   # the previous checkpoint stays; this one never rotates
+            # orbax's other failed writers are tasks nobody awaits: when collected, each
+            # logs "Task exception was never retrieved" with its traceback (seen on a full
+            # disk under load). This error is the one line the run ends with.
+            logging.getLogger("asyncio").setLevel(logging.CRITICAL)
             where = self.directory / str(step) if step is not None else self.directory
             raise SaveError(f"saving checkpoint {where} failed: {_os_error(err)}") from None
 
