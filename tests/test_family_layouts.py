@@ -10,18 +10,27 @@ moments' divisions), which would otherwise amplify summation-order round-off.
 REKLS runs with eps = 0.3: at its default 1e-8, its first step on a block
 preconditioned on both sides turns fp32 round-off into O(1) updates (see
 tests/test_rekls.py), so a one-ulp difference between the batched and the
-per-owner factor products would decide the result, not the layout.
+per-owner factor products would decide the result, not the layout. Even at
+0.3, fp32 eigh leaves a floor: its eigenvectors err by about eps_mach |C| / gap,
+and the factors of a few gradients have clustered spectra, so the per-owner
+and batched eigh (ulp-apart inputs) give REKLS updates about 4e-6 apart
+relative to their norm, whatever eps (measured for qkv under layerwise, eps
+0.3 / 1 / 3: 5e-5 / 1.2e-5 / 4e-6 after one step, 7.6e-6 / 3.5e-6 / 3.3e-6
+after three; replicated, which runs the same batched eigh as one device:
+6e-8). REKLS leaves are therefore compared by the norm of the difference of
+the updates; every other leaf element-wise.
 """
 
 import dataclasses
 import functools
 
 import jax
+import numpy as np
 import optax
 import pytest
 from flax import nnx
 
-from helpers import assert_close, assert_restores, grads_of, optimizer_step, stepper, three_steps
+from helpers import assert_restores, grads_of, optimizer_step, stepper, three_steps
 from jmegatron.models import GPT, GPTConfig
 from jmegatron.optim import (make_plan, scale_by_adaptive_muon, scale_by_mop, scale_by_muon,
                              scale_by_rekls, trainable_params)
@@ -56,6 +65,8 @@ def family(transforms: dict, optimizers: dict[str, str]):
     return make
 
 
+# The matrix kinds a transformation sends to REKLS (compared by norm: see above).
+EIGENBASIS_KINDS = {"rekls_and_gram": ("qkv", "gate_up")}
 TRANSFORMS = {
     "muon_family": family(
         {"mop": scale_by_mop,
@@ -95,8 +106,18 @@ def test_three_steps_equal_one_device_with_tensor_parallelism(name, layout_name)
     for the SVD, eigh and statistics (duplicated) or orthogonalized by Muon's
     tensor-parallel modes."""
     layout, tx, state, _ = built(name, layout_name, TP)
-    assert_close(three_steps(tx, state.params, state.opt_state),
-                 one_device(name, layout.layer_group))
+    start = jax.device_get(state.params)
+    got = jax.device_get(three_steps(tx, state.params, state.opt_state))
+    want = one_device(name, layout.layer_group)
+    eigenbasis = EIGENBASIS_KINDS.get(name, ())
+    for (path, a), b, a0 in zip(jax.tree.leaves_with_path(got), jax.tree.leaves(want),
+                                jax.tree.leaves(start)):
+        key = jax.tree_util.keystr(path)
+        if any(f"'{kind}'" in key for kind in eigenbasis):
+            error = np.linalg.norm(a - b) / np.linalg.norm(b - a0)
+            assert error < 2e-5, (key, error)
+        else:
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6, err_msg=key)
 
 
 @pytest.mark.parametrize("name", list(TRANSFORMS))
