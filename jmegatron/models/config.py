@@ -91,6 +91,11 @@ class GPTConfig:
     layer_group: int = 1
     """Stack block weights as [G, g, ...], G = ceil(L / g), the last group padded with
     zero layers the forward skips (set by the owner layout to the fsdp size)."""
+    prefetch: bool = False
+    """Grouped dense stacks (owner layout): issue group i+1's all-gather before group
+    i runs, in both passes, so GPU/TPU schedulers can hide it; holds about three
+    more groups whole per device (XLA copies the carried group into the per-layer
+    loop; see jmegatron.sharding.prefetch)."""
     moe: MoEConfig = MoEConfig()
     """Mixture-of-experts layers (none by default)."""
 

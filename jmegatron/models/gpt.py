@@ -12,6 +12,7 @@ from jmegatron.models.config import GPTConfig
 from jmegatron.models.layers import Block, embed_lookup, param, rms_norm
 from jmegatron.models.moe import MoEBlock
 from jmegatron.sharding import rules as ax
+from jmegatron.sharding.prefetch import run_prefetched
 from jmegatron.sharding.rules import constrain, logical_axes_of, run_constrained, run_gathered
 
 _REMAT = {
@@ -95,23 +96,30 @@ class GPT(nnx.Module):
                 state = jax.tree.map(lambda a: a[start:start + n], state)
             return jax.lax.scan(one_layer, x, state)
         # [G, g, ...] (a whole stack: the config keeps each kind's layers in one
-        # run): each step gathers one group of g whole layers (each kept on its own
-        # rank under the owner layout), runs them, and moves on; the backward
-        # gathers the group again and sends its gradients back to the owners. The
-        # last group may end in padding slots, which it skips.
+        # run): each group of g whole layers (each kept on its own rank under the
+        # owner layout) is gathered, run, and its gradients sent back to the owners.
+        # The last group may end in padding slots, which it skips.
         axes = [logical_axes_of(v)[1:] for v in
                 jax.tree.leaves(state, is_leaf=lambda v: isinstance(v, nnx.Variable))]
         treedef, leaves = jax.tree.structure(state), jax.tree.leaves(state)
+        full, last = divmod(n, group)
+        sizes = [group] * full + ([last] if last else [])
+
+        def run(x, whole, size):
+            return jax.lax.scan(one_layer, x, treedef.unflatten([w[:size] for w in whole]))
+
+        if not moe and self.cfg.prefetch:   # group i+1's gather issued before group i
+            x = run_prefetched(lambda x, whole, size: run(x, whole, size)[0], x, leaves,
+                               axes, ax.LAYERS, sizes)
+            return x, None
 
         def run_group(x, group, size=group):
-            run = lambda x, whole: jax.lax.scan(
-                one_layer, x, treedef.unflatten([w[:size] for w in whole]))
             if moe:   # MoE layers run a shard_map of their own, which cannot nest
-                return run_constrained(run, x, group, axes, ax.LAYERS)
-            return run_gathered(lambda x, whole: run(x, whole)[0], x, group, axes,
+                return run_constrained(lambda x, whole: run(x, whole, size), x, group, axes,
+                                       ax.LAYERS)
+            return run_gathered(lambda x, whole: run(x, whole, size)[0], x, group, axes,
                                 ax.LAYERS), None
 
-        full, last = divmod(n, group)
         stats = []
         if full:
             x, full_stats = jax.lax.scan(run_group, x, [leaf[:full] for leaf in leaves])

@@ -326,3 +326,66 @@ def _permute_axes(pairs: list[tuple[int, int]], mesh) -> tuple[str, ...] | None:
         a, b = np.unravel_index(src, shape), np.unravel_index(dst, shape)
         differ |= {i for i in range(len(shape)) if a[i] != b[i]}
     return tuple(n for i, n in enumerate(mesh.shape) if i in differ)
+
+
+@dataclasses.dataclass(frozen=True)
+class LoopCollective:
+    """A collective inside a loop body, and how it relates to the body's compute
+    (its matmuls and nested loops: a group of layers)."""
+
+    kind: str
+    computation: str
+    after_compute: bool    # some matmul or nested loop of the body computes an operand of it
+    before_compute: bool   # some matmul or nested loop of the body takes its result
+
+
+_ANY = re.compile(r"^\s*(?:ROOT\s+)?%?(?P<name>[\w.\-]+) = (?P<shape>.*?) "
+                  r"(?P<op>[a-z][\w\-]*)\((?P<rest>.*)$")
+_BODY = re.compile(r"body=%?([\w.\-]+)")
+
+
+def loop_collectives(hlo_text: str, kind: str) -> list[LoopCollective]:
+    """Every ``kind`` collective in a while-loop body of an optimized HLO module,
+    with whether it waits for, or feeds, the body's compute. A prefetch issued
+    one iteration ahead is neither: its result leaves for the next iteration."""
+    computations, _ = _split_computations(hlo_text)
+    bodies = {b for lines in computations.values() for line in lines
+              for b in _BODY.findall(line) if " while(" in line}
+    found = []
+    for body in sorted(bodies):
+        graph = {m["name"]: (m["op"], _operands(m["rest"]))
+                 for m in map(_ANY.match, computations.get(body, ())) if m}
+        users: dict[str, set[str]] = {}
+        for name, (_, operands) in graph.items():
+            for o in operands:
+                users.setdefault(o, set()).add(name)
+        compute = {n for n, (op, _) in graph.items() if op in ("dot", "while", "convolution")}
+        for name, (op, operands) in graph.items():
+            if op.removesuffix("-start") != kind:
+                continue
+            before = _reach(name, lambda n: users.get(n, ()))
+            after = _reach(name, lambda n: graph.get(n, (None, ()))[1])
+            found.append(LoopCollective(kind, body, bool(after & compute),
+                                        bool(before & compute)))
+    return found
+
+
+def _operands(rest: str) -> list[str]:
+    """Instruction names in an argument list (up to its closing parenthesis)."""
+    depth, end = 1, len(rest)
+    for i, ch in enumerate(rest):
+        depth += {"(": 1, ")": -1}.get(ch, 0)
+        if depth == 0:
+            end = i
+            break
+    return re.findall(r"%([\w.\-]+)", rest[:end])
+
+
+def _reach(start: str, step: Callable[[str], Sequence[str]]) -> set[str]:
+    seen, todo = set(), list(step(start))
+    while todo:
+        n = todo.pop()
+        if n not in seen:
+            seen.add(n)
+            todo.extend(step(n))
+    return seen

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 import functools
 import math
 from typing import Callable, Iterable, Mapping, Sequence
@@ -191,16 +192,8 @@ def run_gathered(fn: Callable, x: jax.Array, leaves: Sequence[jax.Array],
     if active is None:
         return fn(x, leaves)
     mesh, rules = active
-    live = lambda axes: tuple(a for a in axes if mesh.shape[a] > 1)
-    manual = live(mesh_axes_of(BATCH, rules))
-    owners = live(mesh_axes_of(name, rules))
-    if not set(owners) <= set(manual):
-        raise ValueError(f"{name} is split over {owners}, which are not all batch axes {manual}")
-    manual_only = lambda spec: P(*(tuple(a for a in spec_axes(e) if a in manual) or None
-                                   for e in spec))
-    x_spec = manual_only(logical_to_spec((BATCH, SEQ, ACT_EMBED), rules))
-    leaf_specs = [manual_only(logical_to_spec(axes, rules)) for axes in leaf_axes]
-    inner_rules = without_axes(rules, manual)
+    split = manual_split(mesh, rules, name, leaf_axes)
+    manual, owners = split.manual, split.owners
 
     # The backward gathers the weights again instead of keeping every group's
     # alive (which would hold all weights on every device): only the outputs of
@@ -211,11 +204,39 @@ def run_gathered(fn: Callable, x: jax.Array, leaves: Sequence[jax.Array],
     def body(x_block, *blocks):
         whole = [jax.lax.all_gather(b, owners, axis=0, tiled=True) if owners else b
                  for b in blocks]
-        with activation_sharding(jax.sharding.get_abstract_mesh(), inner_rules):
+        with activation_sharding(jax.sharding.get_abstract_mesh(), split.inner_rules):
             return fn(x_block, whole)
 
-    return jax.shard_map(body, mesh=mesh, in_specs=(x_spec, *leaf_specs), out_specs=x_spec,
-                         axis_names=set(manual))(x, *leaves)
+    return jax.shard_map(body, mesh=mesh, in_specs=(split.x_spec, *split.leaf_specs),
+                         out_specs=split.x_spec, axis_names=set(manual))(x, *leaves)
+
+
+@dataclasses.dataclass(frozen=True)
+class ManualSplit:
+    """How a ``shard_map`` manual over the batch axes sees layer weights whose
+    dim ``name`` is split over some of them (``manual_split``)."""
+
+    manual: tuple[str, ...]            # the live batch axes: manual inside
+    owners: tuple[str, ...]            # those that split ``name``
+    x_spec: P                          # activations [B, T, D]
+    leaf_specs: tuple[P, ...]          # each leaf, over the manual axes only
+    inner_rules: Rules                 # activations inside, over the other axes
+
+
+def manual_split(mesh, rules: Rules, name: str,
+                 leaf_axes: Sequence[Sequence[str | None]]) -> ManualSplit:
+    """The ``ManualSplit`` of leaves with ``leaf_axes``; raises ValueError if
+    ``name`` is split over an axis that is not a batch axis."""
+    live = lambda axes: tuple(a for a in axes if mesh.shape[a] > 1)
+    manual = live(mesh_axes_of(BATCH, rules))
+    owners = live(mesh_axes_of(name, rules))
+    if not set(owners) <= set(manual):
+        raise ValueError(f"{name} is split over {owners}, which are not all batch axes {manual}")
+    manual_only = lambda spec: P(*(tuple(a for a in spec_axes(e) if a in manual) or None
+                                   for e in spec))
+    return ManualSplit(manual, owners, manual_only(logical_to_spec((BATCH, SEQ, ACT_EMBED), rules)),
+                       tuple(manual_only(logical_to_spec(axes, rules)) for axes in leaf_axes),
+                       without_axes(rules, manual))
 
 
 def run_constrained(fn: Callable, x: jax.Array, leaves: Sequence[jax.Array],
