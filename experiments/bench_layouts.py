@@ -12,7 +12,10 @@ the full train step's time, forward + backward collective bytes per device,
 the bytes of params + optimizer state one device holds, and the train step's
 peak temporary bytes per device (XLA's memory analysis). Ratios are
 against `fsdp` (stock FSDP-Muon: gather each whole matrix, orthogonalize
-everything on every rank) with the same optimizer.
+everything on every rank) with the same optimizer, and for Muon against the
+`optax` row: `optax.contrib.muon` on the same params placed as `fsdp` places
+them, with dimension numbers from jmegatron's routing, where XLA partitions
+Newton-Schulz itself (what a user of optax would run; see ``optax_muon``).
 """
 
 from __future__ import annotations
@@ -28,13 +31,19 @@ from flax import nnx
 
 from experiments.bench_common import argv, best_time, print_table, write_results
 from jmegatron.models import GPT, GPTConfig, MoEConfig
-from jmegatron.optim import make_plan, trainable_params
+from jmegatron.optim import ShardingPlan, make_plan, trainable_params
+from jmegatron.optim.coefficients import coefficient_set
+from jmegatron.optim.muon import MOONLIGHT_RMS
 from jmegatron.optim.owners import tail_owner_bytes
+from jmegatron.optim.routing import MatrixSpec
 from jmegatron.sharding import MeshConfig, hlo_collectives, make_mesh
 from jmegatron.sharding.layouts import LAYOUTS, make_layout
 from jmegatron.train import ScheduleConfig, TrainConfig, create_train_state
-from jmegatron.train.optimizer import MATRIX_OPTIMIZERS, make_optimizer
+from jmegatron.train.optimizer import (MATRIX_OPTIMIZERS, Optimizer, make_optimizer,
+                                       make_schedule)
 from jmegatron.train.step import make_loss_fn, make_train_step
+
+OPTAX = "optax"   # the row of optax.contrib.muon on fsdp-placed params
 
 
 def model_config(small: bool, layers: int = 8, experts: int = 0) -> GPTConfig:
@@ -43,15 +52,90 @@ def model_config(small: bool, layers: int = 8, experts: int = 0) -> GPTConfig:
                      d_ff=3 * d, moe=MoEConfig(n_experts=experts, d_ff=d)).pad_vocab(1)
 
 
+def optax_dimension_numbers(plan: ShardingPlan):
+    """``optax.contrib.muon``'s ``muon_weight_dimension_numbers`` read from the plan's
+    routes: a MuonDimensionNumbers for every matrix leaf, None (its AdamW) for
+    every other; a tree shaped like the trained params (a prefix: one entry per
+    variable)."""
+    plan = plan.for_optimizer()
+    return plan.join(_dimension_numbers(leaf.path, leaf.route.spec) if leaf.is_matrix
+                     else None for leaf in plan.leaves)
+
+
+def _dimension_numbers(path: str, spec: MatrixSpec) -> optax.contrib.MuonDimensionNumbers:
+    """The spec's fan-in (reduction) and fan-out (output) axes; the rest are batch
+    axes, as in jmegatron. A split into blocks of size 1 along ``split_axis``
+    (Q, K, V with as many query as kv heads; gate, up) is that axis made a batch
+    axis; other splits (grouped-query Q of several heads per kv head) optax
+    cannot express: one leaf is one batch of equal matrices there."""
+    in_axes, out_axes = spec.in_axes, spec.out_axes
+    if spec.split_axis is not None:
+        if set(spec.split_sizes) != {1}:
+            raise ValueError(f"{path}: blocks {dict(zip(spec.split_names, spec.split_sizes))} "
+                             f"along axis {spec.split_axis} are not equal; optax.contrib.muon "
+                             "orthogonalizes one leaf as a batch of equal matrices (use "
+                             "n_kv_heads = n_heads, or split_qkv=False on both sides)")
+        in_axes = tuple(a for a in in_axes if a != spec.split_axis)
+        out_axes = tuple(a for a in out_axes if a != spec.split_axis)
+    return optax.contrib.MuonDimensionNumbers(in_axes, out_axes)
+
+
+def optax_muon(train: TrainConfig, optimizer: Optimizer) -> Optimizer:
+    """``optimizer`` (jmegatron's Muon of ``train``) with its transformation
+    replaced by ``optax.contrib.muon`` with the same settings where optax has
+    them: coefficients and steps, momentum (Nesterov EMA), spectral x rms_factor
+    scale (optax's ``consistent_rms``) or the shape scale, decoupled weight decay
+    of the matrices, AdamW's b1, b2, eps, learning rate and weight decay for the
+    other leaves. Where they differ by construction: optax bias-corrects Muon's
+    momentum (equal on the first step), its AdamW is Nesterov (optax ties it to
+    Muon's flag) and decays norm scales too (no mask), and it adds eps to the
+    Frobenius norm where jmegatron first divides by the largest entry. The plan
+    stays (the fsdp layout's), so params and state are placed alike."""
+    missing = _missing_in_optax(train)
+    if missing:
+        raise ValueError(f"optax.contrib.muon has no {', '.join(missing)}")
+    a, m = train.adamw, train.muon
+    cset = coefficient_set(m.ns_coefficients)
+    schedule = cset.schedule(cset.default_steps if m.ns_steps is None else m.ns_steps)
+    rms = ((MOONLIGHT_RMS if m.rms_factor is None else m.rms_factor) if m.scale == "spectral"
+           else None)   # None: optax's width scale sqrt(max(1, fan_out / fan_in)), "shape"
+    adam_lr = optimizer.schedule if a.lr is None else make_schedule(train.schedule, a.lr,
+                                                                       train.steps)
+    tx = optax.contrib.muon(
+        optimizer.schedule, ns_coeffs=tuple(schedule), ns_steps=len(schedule),
+        beta=m.momentum, eps=a.eps, weight_decay=train.weight_decay, nesterov=True,
+        adam_b1=a.b1, adam_b2=a.b2, adam_weight_decay=train.weight_decay,
+        adam_learning_rate=adam_lr, consistent_rms=rms,
+        muon_weight_dimension_numbers=optax_dimension_numbers(optimizer.plan))
+    clip = optax.clip_by_global_norm(train.grad_clip) if train.grad_clip > 0 else optax.identity()
+    return dataclasses.replace(optimizer, tx=optax.chain(clip, tx),
+                               routing_table="optax.contrib.muon\n" + optimizer.routing_table)
+
+
+def _missing_in_optax(train: TrainConfig) -> list[str]:
+    """The Muon settings of ``train`` that optax.contrib.muon cannot express."""
+    m = train.muon
+    checks = {"AOL normalization": coefficient_set(m.ns_coefficients).normalization != "frobenius",
+              f"scale {m.scale!r}": m.scale not in ("spectral", "shape"),
+              "shape scale times an rms_factor": m.scale == "shape"
+              and m.rms_factor not in (None, 1.0),
+              "bf16 Newton-Schulz": m.ns_dtype != "float32",
+              f"{train.weight_decay_method} weight decay": train.weight_decay_method != "decoupled"}
+    return [name for name, missing in checks.items() if missing]
+
+
 def measure(variant: str, mesh, model: GPTConfig, tokens, optim: str = "muon") -> dict:
     layout_name, _, assignment = variant.partition("/")   # "layerwise/balanced"
     assignment = assignment or "round_robin"
-    layout = make_layout(layout_name, mesh.shape, assignment=assignment)
+    layout = make_layout("fsdp" if variant == OPTAX else layout_name, mesh.shape,
+                         assignment=assignment)
     cfg = dataclasses.replace(model, layer_group=layout.layer_group)
     train = TrainConfig(steps=10, grad_clip=0.0, schedule=ScheduleConfig(warmup_steps=0),
                         optim=optim)
     make_model = lambda: GPT(cfg, nnx.Rngs(0))
     optimizer = make_optimizer(train, nnx.split(nnx.eval_shape(make_model))[1], mesh, layout)
+    if variant == OPTAX:
+        optimizer = optax_muon(train, optimizer)
     graphdef, state = create_train_state(make_model, optimizer.tx, optimizer.plan)
     loss_fn = make_loss_fn(graphdef, cfg, mesh, layout.rules)
     params = trainable_params(state.params)   # what the optimizer gets
@@ -109,30 +193,43 @@ def main(args_list: list[str] | None = None) -> list[dict]:
         jax.NamedSharding(mesh, jax.P(("data", "fsdp", "expert"))))
     # Where the owners do not divide the layers, the balanced layerwise assignment too.
     variants = LAYOUTS + (("layerwise/balanced",) if args.layers % 8 else ())
-    rows = [measure(name, mesh, model, tokens, optim) for optim in args.optim for name in variants]
-    for r in rows:
-        same = {x["variant"]: x for x in rows if x["optim"] == r["optim"]}
-        r["opt_step_speedup_vs_fsdp"] = same["fsdp"]["opt_step_ms"] / r["opt_step_ms"]
-        r["train_step_speedup_vs_fsdp"] = same["fsdp"]["train_step_ms"] / r["train_step_ms"]
-        r["opt_step_vs_replicated_over_8"] = r["opt_step_ms"] / (
-            same["replicated"]["opt_step_ms"] / 8)
+    # optax.contrib.muon is the baseline of Muon only (optax has no SOAP; AdamW is optax's).
+    rows = [measure(name, mesh, model, tokens, optim) for optim in args.optim
+            for name in variants + ((OPTAX,) if optim == "muon" else ())]
+    add_ratios(rows)
     moe = f", {args.experts} experts of F={model.moe.d_ff}" if args.experts else ""
     print(f"model: {model.n_layers} layers, D={model.d_model}, F={model.d_ff}{moe}, "
           f"{model.param_count() / 1e6:.1f}M params; mesh {MeshConfig(**mesh.shape)}")
     print_table(rows, [("optim", "optimizer", ""), ("variant", "layout", ""),
                        ("opt_gflop", "opt GFLOP", ".2f"), ("opt_step_ms", "opt step ms", ".0f"),
                        ("opt_step_speedup_vs_fsdp", "vs fsdp", ".1f"),
+                       ("opt_step_speedup_vs_optax", "vs optax", ".2f"),
                        ("opt_step_vs_replicated_over_8", "vs repl/8", ".2f"),
                        ("opt_collectives", "opt colls", "d"),
                        ("opt_bytes_per_device", "opt bytes/dev", ",.0f"),
                        ("train_step_ms", "train step ms", ".0f"),
                        ("train_step_speedup_vs_fsdp", "vs fsdp", ".2f"),
+                       ("train_step_speedup_vs_optax", "vs optax", ".2f"),
                        ("fwd_bwd_bytes_per_device", "fwd+bwd bytes/dev", ",.0f"),
                        ("state_bytes_per_device", "params+state/dev", ",.0f"),
                        ("train_temp_bytes_per_device", "train temp/dev", ",.0f")])
     print_tail_owners(model, mesh)
     write_results("bench_layouts", rows, args.out, argv() if args_list is None else args_list)
     return rows
+
+
+def add_ratios(rows: list[dict]) -> None:
+    """Speedups against ``fsdp`` and (Muon rows) ``optax`` of the same optimizer (the
+    baseline's time over the row's: above 1 is faster), and the optimizer step
+    against a perfect eighth of ``replicated``'s."""
+    for r in rows:
+        same = {x["variant"]: x for x in rows if x["optim"] == r["optim"]}
+        for base in ("fsdp", OPTAX):
+            for step in ("opt_step", "train_step"):
+                r[f"{step}_speedup_vs_{base}"] = (same[base][f"{step}_ms"] / r[f"{step}_ms"]
+                                                  if base in same else None)
+        r["opt_step_vs_replicated_over_8"] = r["opt_step_ms"] / (
+            same["replicated"]["opt_step_ms"] / 8)
 
 
 def print_tail_owners(model: GPTConfig, mesh) -> None:

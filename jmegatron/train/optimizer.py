@@ -156,5 +156,6 @@ def group_update_rms(updates, leaf_groups: tuple[str, ...]) -> dict[str, jax.Arr
     for group in sorted(set(leaf_groups)):
         mine = [x for x, g in zip(leaves, leaf_groups) if g == group]
         total = sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in mine)
-        out[f"update_rms_{group}"] = jnp.sqrt(total / sum(x.size for x in mine))
+        # A float count: an int over 2**31 (a 2.5B-param group) overflows int32 in jit.
+        out[f"update_rms_{group}"] = jnp.sqrt(total / float(sum(x.size for x in mine)))
     return out

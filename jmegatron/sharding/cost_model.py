@@ -1,0 +1,200 @@
+"""A cost model for compiled programs: FLOPs at a stated MFU, collective bytes over
+stated link bandwidths, and a latency per collective.
+
+Pure Python (no JAX): a collective is anything with the attributes of
+``jmegatron.sharding.hlo.Collective`` (``kind``, ``axes``, ``group_size``,
+``bytes_per_device``, ``executions``), and a mesh is its shape, a mapping of
+axis name -> size in the mesh's axis order.
+
+The model, per device (every number is an assumption of the preset, see
+``HARDWARE``):
+
+  compute    flops / (mfu * peak_flops)
+  collective executions * (latency + bytes_per_device / bandwidth)
+             bandwidth: NVLink where every device group of the collective stays
+             inside one NVLink domain (node), else InfiniBand (the slowest link of
+             a ring sets its pace: no hierarchical algorithm is credited)
+  step       serial:  compute + every collective (nothing overlapped)
+             overlap: max(compute, collectives) (perfectly hidden; a lower bound)
+
+Devices map to nodes by the mesh's row-major order: flat index i (over the
+mesh axes in order, the last axis fastest) is GPU rank i, on node
+i // gpus_per_node. ``jax.make_mesh`` orders devices this way on GPUs, so the
+last mesh axes (tensor, then expert) stay inside a node first.
+
+Bandwidths are per direction per GPU (a ring sends and receives at once, so
+its time is the bytes one device sends over that figure).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+from typing import Iterable, Mapping, Protocol
+
+
+class CollectiveLike(Protocol):
+    kind: str
+    axes: tuple[str, ...] | None
+    group_size: int
+    executions: int
+
+    @property
+    def bytes_per_device(self) -> float: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class Hardware:
+    """One kind of GPU cluster; every field is an assumption stated with its source."""
+
+    name: str
+    gpus_per_node: int          # GPUs in one NVLink domain
+    nvlink_gb_s: float          # NVLink bandwidth per GPU per direction, GB/s (1e9 bytes)
+    ib_gb_s: float              # scale-out (InfiniBand) bandwidth per GPU per direction, GB/s
+    peak_tflops: float          # dense bf16/fp16 tensor-core peak, TFLOP/s
+    mfu: float                  # fraction of peak the matmuls reach (model FLOPs)
+    nvlink_latency_us: float    # fixed cost of one collective inside a node
+    ib_latency_us: float        # fixed cost of one collective across nodes
+    hbm_gb: float               # memory per GPU, GB
+    source: str                 # where the figures come from
+
+    @property
+    def flops_per_s(self) -> float:
+        """Sustained FLOP/s: mfu * peak."""
+        return self.mfu * self.peak_tflops * 1e12
+
+
+_LATENCY = ("latency: 10 us per collective inside a node, 25 us across nodes (the order of "
+            "NCCL's small-message all-reduce times; an assumption, not a measurement)")
+
+HARDWARE: dict[str, Hardware] = {
+    "h100": Hardware(
+        "h100", 8, 450.0, 50.0, 989.0, 0.40, 10.0, 25.0, 80.0,
+        "H100 SXM5 (NVIDIA H100 datasheet): 989 TFLOP/s dense bf16; NVLink 4 900 GB/s "
+        "bidirectional = 450 GB/s per direction; 8 GPUs per HGX node; one 400 Gb/s "
+        "ConnectX-7 NDR InfiniBand NIC per GPU = 50 GB/s; 80 GB HBM3; MFU 40% assumed "
+        "(typical of large dense LLM training); " + _LATENCY),
+    "gb300": Hardware(
+        "gb300", 72, 900.0, 100.0, 2500.0, 0.40, 10.0, 25.0, 288.0,
+        "GB300 NVL72 (NVIDIA GB300 NVL72 specifications): 72 GPUs in one NVLink 5 domain, "
+        "1.8 TB/s bidirectional = 900 GB/s per direction per GPU; ConnectX-8 800 Gb/s "
+        "(XDR) per GPU = 100 GB/s; ~2.5 PFLOP/s dense bf16 per GPU; 288 GB HBM3e; MFU 40% "
+        "assumed; " + _LATENCY),
+    "a100": Hardware(
+        "a100", 8, 300.0, 25.0, 312.0, 0.40, 10.0, 25.0, 80.0,
+        "A100 SXM4 80GB (NVIDIA A100 datasheet): 312 TFLOP/s dense bf16; NVLink 3 600 GB/s "
+        "bidirectional = 300 GB/s per direction; 8 GPUs per DGX A100 node; one 200 Gb/s "
+        "HDR InfiniBand NIC per GPU = 25 GB/s; MFU 40% assumed; " + _LATENCY
+        + "; used only for the MatrixFSDP anchor (measured on A100)"),
+    "v100-dgx2h": Hardware(
+        "v100-dgx2h", 16, 150.0, 6.25, 125.0, 0.312, 10.0, 25.0, 32.0,
+        "DGX-2H as in Megatron-LM (Shoeybi et al. 2019, arXiv:1909.08053, section 5): 16 "
+        "V100 32 GB per node on NVSwitch, '300 GB/s' between GPUs, which is NVLink 2's "
+        "bidirectional figure (6 links x 25 GB/s per direction = 150 GB/s per direction, "
+        "used here); '100 GB/s between servers using 8 InfiniBand adapters' = 6.25 GB/s "
+        "per GPU; 125 TFLOP/s fp16 "
+        "peak, and the paper's one-GPU baseline sustains 39 TFLOP/s = 31.2% of it (the "
+        "mfu here); " + _LATENCY),
+}
+
+
+def hardware(name: str) -> Hardware:
+    """The preset ``name`` (a key of ``HARDWARE``); raises a one-line ValueError."""
+    if name not in HARDWARE:
+        raise ValueError(f"unknown hardware {name!r}; choose one of {tuple(HARDWARE)}")
+    return HARDWARE[name]
+
+
+def within_node(axes: Iterable[str] | None, mesh_shape: Mapping[str, int],
+                gpus_per_node: int) -> bool:
+    """True when every device group varying along ``axes`` (the others fixed) lies in
+    one node (see the module docstring for the device order). ``None`` (axes the HLO
+    parser could not derive) counts as crossing nodes."""
+    if axes is None:
+        return False
+    names, sizes = list(mesh_shape), list(mesh_shape.values())
+    if math.prod(sizes) <= gpus_per_node:
+        return True
+    moving = [names.index(a) for a in axes]
+    fixed = [i for i in range(len(names)) if i not in moving]
+    strides = [math.prod(sizes[i + 1:]) for i in range(len(names))]
+    for base in itertools.product(*(range(sizes[i]) for i in fixed)):
+        start = sum(b * strides[i] for b, i in zip(base, fixed))
+        nodes = {(start + sum(o * strides[i] for o, i in zip(offs, moving))) // gpus_per_node
+                 for offs in itertools.product(*(range(sizes[i]) for i in moving))}
+        if len(nodes) > 1:
+            return False
+    return True
+
+
+def collective_seconds(c: CollectiveLike, mesh_shape: Mapping[str, int],
+                       hw: Hardware) -> tuple[float, bool]:
+    """(seconds of all executions of ``c`` per call, whether it stays on NVLink)."""
+    if c.group_size <= 1 or not c.executions:
+        return 0.0, True
+    local = within_node(c.axes, mesh_shape, hw.gpus_per_node)
+    bandwidth = 1e9 * (hw.nvlink_gb_s if local else hw.ib_gb_s)
+    latency = 1e-6 * (hw.nvlink_latency_us if local else hw.ib_latency_us)
+    return c.executions * (latency + c.bytes_per_device / bandwidth), local
+
+
+@dataclasses.dataclass(frozen=True)
+class CommCost:
+    """The collectives of one program on one preset, per device per call."""
+
+    seconds: float          # bandwidth and latency terms together
+    nvlink_bytes: float     # bytes sent over NVLink
+    ib_bytes: float         # bytes sent over InfiniBand
+    launches: int           # collective executions (each pays one latency)
+
+
+def comm_cost(collectives: Iterable[CollectiveLike], mesh_shape: Mapping[str, int],
+              hw: Hardware) -> CommCost:
+    """Sums ``collective_seconds`` over a program's collectives.
+
+    Args:
+      collectives: e.g. ``parse_collectives(compiled.as_text(), mesh).collectives``.
+      mesh_shape: the mesh's axis sizes in its axis order (``mesh.shape``).
+      hw: the preset.
+    """
+    seconds = nvlink = ib = 0.0
+    launches = 0
+    for c in collectives:
+        if c.group_size <= 1 or not c.executions:
+            continue
+        s, local = collective_seconds(c, mesh_shape, hw)
+        seconds += s
+        launches += c.executions
+        moved = c.bytes_per_device * c.executions
+        nvlink, ib = (nvlink + moved, ib) if local else (nvlink, ib + moved)
+    return CommCost(seconds, nvlink, ib, launches)
+
+
+def compute_seconds(flops: float, hw: Hardware) -> float:
+    """Seconds for ``flops`` (per device) at the preset's mfu * peak."""
+    return flops / hw.flops_per_s
+
+
+@dataclasses.dataclass(frozen=True)
+class StepCost:
+    """A projected step of one program on one preset (seconds, per device)."""
+
+    compute: float
+    comm: CommCost
+
+    @property
+    def serial(self) -> float:
+        """Nothing overlapped: compute, then every collective."""
+        return self.compute + self.comm.seconds
+
+    @property
+    def overlapped(self) -> float:
+        """Collectives perfectly hidden behind compute (or the reverse)."""
+        return max(self.compute, self.comm.seconds)
+
+
+def project(flops: float, collectives: Iterable[CollectiveLike],
+            mesh_shape: Mapping[str, int], hw: Hardware) -> StepCost:
+    """The cost of one program: ``flops`` per device and its ``collectives``."""
+    return StepCost(compute_seconds(flops, hw), comm_cost(collectives, mesh_shape, hw))
