@@ -11,6 +11,8 @@ beside them:
   duplicated   bytes (t-1)/t m n 4;            FLOPs steps (4 p^2 q + 2 p^3)
   distributed  bytes steps 2 (t-1)/t r^2 4;    FLOPs steps (4 r^2 c/t + 2 r^3)
                (r = unsplit side, c = split side; plus a scalar pmax)
+  gathered     bytes steps (t-1)/t (c r + c^2) 4; FLOPs steps (4 r c^2 + 2 c^3) / t
+               (the Gram of the split side c, its row blocks and X gathered)
   blockwise    bytes 0;                         FLOPs of one m x n/t block
   compiler     plain jnp Newton-Schulz on the sharded array, partitioned by XLA
 """
@@ -66,7 +68,7 @@ def main(args_list: list[str] | None = None) -> list[dict]:
     for name, (m, n) in (SMALL if args.small else FULL).items():
         for t in (2, 4, 8):
             group = [measure(t, m, n, mode) for mode in
-                     ("duplicated", "distributed", "blockwise", "compiler")]
+                     ("duplicated", "distributed", "gathered", "blockwise", "compiler")]
             for row in group:
                 row["case"] = name
                 row["ratio_vs_duplicated"] = row["ms"] / group[0]["ms"]

@@ -31,7 +31,7 @@ def test_exact_modes_equal_one_device(t, side):
     for shape in SHAPES:
         tp, x, xs = setup(t, shape, side)
         want = newton_schulz(x)
-        for mode in ("duplicated", "distributed"):
+        for mode in ("duplicated", "distributed", "gathered"):
             got = jax.jit(lambda a: tp_newton_schulz(a, side, mode, tp))(xs)
             np.testing.assert_allclose(got, want, rtol=1e-5, atol=2e-6, err_msg=f"{mode} {shape}")
             assert got.sharding.is_equivalent_to(xs.sharding, 3)
@@ -71,7 +71,8 @@ def test_each_mode_communicates_what_it_claims(steps, side):
     tp, _, xs = setup(4, (2, 64, 128), side)
     run = lambda mode: hlo_collectives(
         jax.jit(lambda a: tp_newton_schulz(a, side, mode, tp, steps=steps)), xs)
-    duplicated, distributed, blockwise = map(run, ("duplicated", "distributed", "blockwise"))
+    duplicated, distributed, gathered, blockwise = map(
+        run, ("duplicated", "distributed", "gathered", "blockwise"))
     assert duplicated.count() == 1 and duplicated.count("all-gather", ("tensor",)) == 1
     # One scalar all-reduce for the scale, then one Gram all-reduce per iteration.
     assert distributed.count() == steps + 1, distributed.table()
@@ -80,9 +81,13 @@ def test_each_mode_communicates_what_it_claims(steps, side):
     r = 128 if side == "in" else 64          # the Gram of the unsplit side
     assert grams == [2 * 4] + [2 * r * r * 4] * steps
     assert blockwise.count() == 0
+    # X and this rank's Gram rows gathered each iteration, nothing reduced.
+    assert gathered.count("all-gather", ("tensor",)) == 2 * steps == gathered.count(), \
+        gathered.table()
     # The cost model's bytes (per matrix; the stack holds 2) are the HLO's, less
     # the scalars of the scale.
-    for mode, report in (("duplicated", duplicated), ("distributed", distributed)):
+    for mode, report in (("duplicated", duplicated), ("distributed", distributed),
+                         ("gathered", gathered)):
         modeled = 2 * TPCostModel().terms(mode, 4, 64, 128, side, steps)[1]
         assert 0 <= report.bytes_per_device() - modeled <= 2 * 8, (mode, report.table())
 
@@ -93,13 +98,19 @@ def test_auto_follows_the_cost_model():
     assert model.choose(8, 1024, 8192, "out", 5) == "distributed"
     # Small square: one all-gather beats six latency-bound all-reduces.
     assert model.choose(8, 256, 256, "out", 5) == "duplicated"
-    # Split along the short side the Gram is of the long side: duplicated.
-    assert model.choose(8, 1024, 8192, "in", 5) == "duplicated"
+    # Split along the short side, distributed's Gram is of the long side; gathered
+    # splits the FLOPs for 10 gathers, which pays once they outweigh the latency.
+    assert model.choose(4, 512, 2048, "in", 5) == "duplicated"
+    assert model.choose(8, 2048, 8192, "in", 5) == "gathered"
+    assert model.choose(8, 4096, 16384, "in", 5) == "gathered"
     # The same 1:8 matrix is small enough at 512 x 4096 that latency decides.
     assert model.choose(8, 512, 4096, "out", 5) == "duplicated"
     count, nbytes, flops = model.terms("distributed", 8, 512, 4096, "out", 5)
     assert count == 6 and nbytes == 5 * 2 * 7 / 8 * 512 * 512 * 4
     assert flops == 5 * (4 * 512 ** 2 * 4096 / 8 + 2 * 512 ** 3)
+    count, nbytes, flops = model.terms("gathered", 8, 512, 4096, "in", 5)
+    assert count == 10 and nbytes == 5 * 7 / 8 * (512 * 4096 + 512 * 512) * 4
+    assert flops == 5 * (4 * 4096 * 512 ** 2 + 2 * 512 ** 3) / 8
 
 
 CFG = GPTConfig(vocab_size=300, d_model=64, n_layers=2, n_heads=4, n_kv_heads=4,
@@ -116,7 +127,7 @@ def reference():
     return params, grads, jax.jit(tx.update)(grads, tx.init(params), params)[0]
 
 
-@pytest.mark.parametrize("mode", ["duplicated", "distributed"])
+@pytest.mark.parametrize("mode", ["duplicated", "distributed", "gathered"])
 @pytest.mark.parametrize("mesh_config", [MeshConfig(data=2, fsdp=2, tensor=2),
                                          MeshConfig(data=2, fsdp=1, tensor=4)])
 def test_muon_step_on_the_tensor_parallel_gpt_equals_one_device(mode, mesh_config, reference):

@@ -17,6 +17,14 @@ Megatron Muon):
                duplicated, and ``describe`` prints the Gram size. With the
                Gram method (``method="gram"``) it sums one Gram per restart
                segment instead: the rest is r x r and local.
+  gathered     each iteration gathers X and the row blocks of the Gram of the
+               split side, so every rank computes only its own rows of
+               A = X X^T, of B = b A + c A A and of the new X: the FLOPs split
+               t ways, for 2 all-gathers per iteration (X and A). Exact; what
+               XLA does when the short side is split, and the mode that splits
+               the work when distributed's Gram would be of the long side.
+               Plain iterations: no SYRK, no Gram method, no AOL (``mode_for``
+               falls back to duplicated).
   blockwise    Newton-Schulz of the local block alone, no communication: an
                approximation (block orthogonalization). Its update scale uses
                the block's shape, so a spectral-scaled block has the same RMS
@@ -37,13 +45,15 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from jmegatron.optim.coefficients import coefficient_set
-from jmegatron.optim.newton_schulz import (NSMethod, iterate, newton_schulz, ns_flops,
-                                           resolve_method, resolve_schedule, syrk_backend)
+from jmegatron.optim.newton_schulz import (_EPS, NSMethod, _matmul, iterate, newton_schulz,
+                                           ns_flops, resolve_method, resolve_schedule,
+                                           syrk_backend)
 from jmegatron.optim.routing import MatrixSpec
 from jmegatron.sharding.rules import spec_axes
 
-TPMode = Literal["duplicated", "distributed", "blockwise", "auto"]
-TP_MODES = ("duplicated", "distributed", "blockwise", "auto")
+TPMode = Literal["duplicated", "distributed", "gathered", "blockwise", "auto"]
+TP_MODES = ("duplicated", "distributed", "gathered", "blockwise", "auto")
+EXACT_MODES = ("duplicated", "distributed", "gathered")
 Side = Literal["in", "out"]      # the split dim of a [fan_in, fan_out] matrix
 
 
@@ -71,6 +81,10 @@ class TPCostModel:
             per_step = 4 * r * r * (c / t) + 2 * r ** 3
             gram_bytes = 2 * (t - 1) / t * r * r * self.dtype_bytes
             return steps + 1, steps * gram_bytes, steps * per_step
+        if mode == "gathered":
+            c, r = (m, n) if side == "in" else (n, m)     # Gram of the split side c
+            gathers = (t - 1) / t * (c * r + c * c) * self.dtype_bytes
+            return 2 * steps, steps * gathers, steps * (4 * r * c * c + 2 * c ** 3) / t
         if mode == "blockwise":
             mb, nb = (m // t, n) if side == "in" else (m, n // t)
             return 0, 0.0, float(ns_flops(mb, nb, steps))
@@ -81,9 +95,8 @@ class TPCostModel:
         return count * self.latency_s + nbytes / self.bytes_per_s + flops / self.flops_per_s
 
     def choose(self, t: int, m: int, n: int, side: Side, steps: int) -> str:
-        """The exact mode (duplicated or distributed) with the lower modeled time."""
-        return min(("duplicated", "distributed"),
-                   key=lambda mode: self.seconds(mode, t, m, n, side, steps))
+        """The exact mode (``EXACT_MODES``) with the lowest modeled time."""
+        return min(EXACT_MODES, key=lambda mode: self.seconds(mode, t, m, n, side, steps))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,7 +140,7 @@ class TensorParallel:
         mode = self.mode if self.mode != "auto" else self.cost_model.choose(
             self.size, m, n, side, steps)
         unsplit = n if side == "in" else m
-        if mode == "distributed" and aol and unsplit > min(m, n):
+        if aol and (mode == "gathered" or mode == "distributed" and unsplit > min(m, n)):
             return "duplicated"
         return mode
 
@@ -200,7 +213,15 @@ def tp_newton_schulz(stack: jax.Array, side: Side | None, mode: str, tp: TensorP
                       method=resolved)
         return jnp.swapaxes(out, row, col) if side == "in" else out
 
-    local = {"duplicated": duplicated, "distributed": distributed,
+    def gathered(block):
+        rows = jnp.swapaxes(block, row, col) if side == "out" else block   # split side first
+        if normalization == "aol":
+            raise ValueError("gathered Newton-Schulz has no AOL; use duplicated "
+                             "(mode_for picks it)")
+        out = _gathered_iterate(rows, schedule, matmul_dtype, axis)
+        return jnp.swapaxes(out, row, col) if side == "out" else out
+
+    local = {"duplicated": duplicated, "distributed": distributed, "gathered": gathered,
              "blockwise": lambda block: newton_schulz(block, **ns)}
     if side is None:
         fn = local["blockwise"]     # whole matrices on every device: plain Newton-Schulz
@@ -219,6 +240,30 @@ def tp_newton_schulz(stack: jax.Array, side: Side | None, mode: str, tp: TensorP
     # must be).
     return jax.shard_map(fn, mesh=tp.mesh, in_specs=in_specs, out_specs=spec,
                          check_vma=syrk_backend(syrk) in (None, "jnp"))(*operands)
+
+
+def _gathered_iterate(y: jax.Array, schedule, matmul_dtype, axis: str) -> jax.Array:
+    """Newton-Schulz on Y [..., c, r] whose rows are split over ``axis`` (this
+    rank's [..., c/t, r]): each iteration gathers Y and this rank's rows of the
+    Gram, A_i = Y_i Y^T, then B_i = b A_i + c A_i A and Y_i <- a Y_i + B_i Y.
+    Normalized as ``iterate`` does (largest entry, then Frobenius norm), from
+    the gathered Y; the first Gram in fp32, as there."""
+    gather = lambda v: lax.all_gather(v, axis, axis=v.ndim - 2, tiled=True)
+    y = y.astype(jnp.float32)
+    whole = gather(y)                                                 # [..., c, r]
+    peak = jnp.max(jnp.abs(whole), axis=(-2, -1), keepdims=True)
+    peak = jnp.where(peak > 0, peak, 1.0)
+    y, whole = y / peak, whole / peak
+    norm = jnp.sqrt(jnp.sum(whole * whole, axis=(-2, -1), keepdims=True)) + _EPS
+    y, whole = y / norm, whole / norm
+    for i, (a, b, c) in enumerate(schedule):
+        dtype = matmul_dtype if i else jnp.float32
+        if i:
+            whole = gather(y)
+        gram_rows = _matmul(y, jnp.swapaxes(whole, -1, -2), dtype)   # [..., c/t, c]
+        poly_rows = b * gram_rows + c * _matmul(gram_rows, gather(gram_rows), matmul_dtype)
+        y = a * y + _matmul(poly_rows, whole, matmul_dtype)
+    return y
 
 
 def _distributed_method(method: NSMethod, rows: int, local_cols: int, steps: int,

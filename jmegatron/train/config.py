@@ -111,9 +111,9 @@ class MuonConfig:
     """Orthogonalize Q, K, V (and gate, up) blocks of fused weights separately."""
     per_head: bool = False
     """Orthogonalize each attention head's block on its own."""
-    tp_mode: Literal["auto", "duplicated", "distributed", "blockwise"] = "auto"
-    """Newton-Schulz of tensor-parallel matrices: exact duplicated or distributed,
-    approximate blockwise, or auto (cheapest exact mode per matrix)."""
+    tp_mode: Literal["auto", "duplicated", "distributed", "gathered", "blockwise"] = "auto"
+    """Newton-Schulz of tensor-parallel matrices: exact duplicated, distributed or
+    gathered, approximate blockwise, or auto (cheapest exact mode per matrix)."""
     syrk: bool = False
     """Newton-Schulz's symmetric products (X X^T, A A) on the Pallas SYRK kernel, lower
     tiles only (GPU; elsewhere the plain jnp products run and FLOPs count as such)."""
