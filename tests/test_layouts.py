@@ -1,5 +1,5 @@
-"""Optimizer layouts: every layout trains exactly like one device, communicates
-what it claims in the optimizer step, and holds the memory it claims."""
+"""Optimizer layouts: every layout trains exactly like one device (with QK-clip),
+communicates what it claims in the optimizer step, and holds the memory it claims."""
 
 import dataclasses
 
@@ -12,7 +12,7 @@ import pytest
 from flax import nnx
 
 import helpers
-from jmegatron.models import GPT, GPTConfig
+from jmegatron.models import GPT, GPTConfig, qk_clipper
 from jmegatron.models.gpt import grouped_layers, ungroup
 from jmegatron.sharding import DEFAULT_RULES, MeshConfig, hlo_collectives, make_mesh
 from jmegatron.sharding.layouts import LAYOUTS, make_layout
@@ -43,16 +43,26 @@ def build(mesh, layout_name, model=MODEL, train=TRAIN):
 SOAP = dataclasses.replace(TRAIN, optim="soap")
 
 
+# QK-clip on: its threshold lies among the logits of these models and batches
+# (about 0.05-0.2), so each run clips some heads and leaves others.
+QK_TAU = 0.1
+
+
 def train_three_steps(mesh, layout_name, microbatches=1, tp_mode="auto", model=MODEL,
                       grouped=False, assignment="round_robin"):
-    """Params after three steps, as [L, ...] stacks (``grouped``: as the layout holds them)."""
+    """Params after three steps with QK-clip, as [L, ...] stacks (``grouped``: as the
+    layout holds them)."""
     train = dataclasses.replace(TRAIN, muon=dataclasses.replace(TRAIN.muon, tp_mode=tp_mode),
                                 assignment=assignment)
     layout, optimizer, graphdef, state = build(mesh, layout_name, model, train)
     loss_fn = make_loss_fn(graphdef, model, mesh, layout.rules)
-    step = make_train_step(loss_fn, optimizer, microbatches, mesh, layout.rules)
+    step = make_train_step(loss_fn, optimizer, microbatches, mesh, layout.rules,
+                           qk_clipper(model, QK_TAU))
+    clipped = 0
     for tokens in batches():
-        state, _ = step(state, tokens)
+        state, metrics = step(state, tokens)
+        clipped += int(metrics["qk_clipped_heads"])
+    assert 0 < clipped < 3 * model.n_layers * model.n_heads, clipped
     return state.params if grouped else ungroup(state.params)
 
 

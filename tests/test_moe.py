@@ -418,10 +418,10 @@ def test_mixed_model_on_a_mesh_equals_one_device():
 
         def loss(state, tokens):
             with activation_sharding(mesh):
-                logits, stats = nnx.merge(graphdef, state)(tokens[:, :-1], return_aux=True)
+                logits, aux = nnx.merge(graphdef, state)(tokens[:, :-1], return_aux=True)
             rules = None if mesh is None else DEFAULT_RULES
             nll = cross_entropy(logits, tokens[:, 1:], cfg.vocab_size, mesh=mesh, rules=rules)[0]
-            extra, metrics = moe_losses(stats, cfg.moe)
+            extra, metrics = moe_losses(aux.moe, cfg.moe)
             return nll + extra, metrics
 
         batch = tokens if mesh is None else jax.device_put(

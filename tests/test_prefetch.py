@@ -23,23 +23,28 @@ TRAIN = TrainConfig(steps=1, grad_clip=0.0, schedule=ScheduleConfig(warmup_steps
 TOKENS = jax.random.randint(jax.random.key(0), (8, 17), 0, MODEL.vocab_size)
 
 
-def loss_and_grads(mesh, layout_name, model):
+def loss_and_grads(mesh, layout_name, model, aux=False):
+    """(jitted params -> (loss, grads), params); with ``aux``, ((loss, aux), grads)."""
     layout, _, graphdef, state = helpers.build(mesh, layout_name, model, TRAIN)
     cfg = dataclasses.replace(model, layer_group=layout.layer_group)
     loss_fn = make_loss_fn(graphdef, cfg, mesh, layout.rules)
-    grad = jax.jit(jax.value_and_grad(lambda p: loss_fn(p, TOKENS)[0]))
-    return grad, state.params
+    loss = (lambda p: loss_fn(p, TOKENS)) if aux else (lambda p: loss_fn(p, TOKENS)[0])
+    return jax.jit(jax.value_and_grad(loss, has_aux=aux)), state.params
 
 
 # On 4 owners: one group; a full group and 2 layers; three full groups and 2.
 @pytest.mark.parametrize("layers", [4, 6, 14])
 def test_prefetched_gradients_equal_one_device(layers):
     model = dataclasses.replace(MODEL, n_layers=layers)
-    got_fn, params = loss_and_grads(make_mesh(MeshConfig(data=2, fsdp=4)), "owner", model)
+    got_fn, params = loss_and_grads(make_mesh(MeshConfig(data=2, fsdp=4)), "owner", model,
+                                    aux=True)
     want_fn, one = loss_and_grads(make_mesh(MeshConfig(), jax.devices()[:1]), "replicated",
-                                  model)
-    (loss, grads), (want_loss, want) = got_fn(params), want_fn(one)
+                                  model, aux=True)
+    ((loss, aux), grads), ((want_loss, want_aux), want) = got_fn(params), want_fn(one)
     np.testing.assert_allclose(loss, want_loss, rtol=1e-6)
+    # The largest attention logits leave the prefetched loop too, layers in order.
+    np.testing.assert_allclose(aux["max_attention_logit"], want_aux["max_attention_logit"],
+                               rtol=1e-6)
     for (path, a), b in zip(jax.tree.leaves_with_path(ungroup(grads)), jax.tree.leaves(want)):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7, err_msg=jax.tree_util.keystr(path))
 

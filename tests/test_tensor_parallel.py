@@ -23,7 +23,7 @@ def layer_reports(mesh):
 
     def forward(state, x):
         with activation_sharding(mesh):
-            return nnx.merge(graphdef, state)(x, jnp.arange(T))
+            return nnx.merge(graphdef, state)(x, jnp.arange(T))[0]
 
     def forward_backward(state, x):
         # value_and_grad keeps the forward output live, so no forward all-reduce

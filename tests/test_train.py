@@ -183,7 +183,7 @@ SMALL = ["--model.d-model", "32", "--model.n-layers", "1", "--model.n-heads", "2
 def test_cli_runs_three_steps_and_writes_every_output(tmp_path):
     summary = train_cli.main(SMALL + ["--steps", "3", "--eval-every", "2", "--log-every", "1",
                                       "--microbatches", "2", "--out-dir", str(tmp_path),
-                                      "--name", "run"])
+                                      "--name", "run", "--qk-clip", "0.05"])
     run = tmp_path / "run"
     config = json.loads((run / "config.json").read_text())
     assert config["config"]["steps"] == 3 and config["mesh"]["tensor"] == 2
@@ -199,7 +199,14 @@ def test_cli_runs_three_steps_and_writes_every_output(tmp_path):
     assert train[-1]["tokens_per_s"] > 0 and 0 < train[-1]["mfu"]
     assert evals[-1]["sample_greedy"].startswith("def ")
     assert "--- greedy" in (run / "samples.txt").read_text()
-    assert (run / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # QK-clip's watch: the largest attention logit, per layer too, and the heads clipped.
+    layers = config["config"]["model"]["n_layers"]
+    assert all(r["max_attention_logit"] == max(r["max_attention_logit_per_layer"]) > 0
+               and len(r["max_attention_logit_per_layer"]) == layers
+               and 0 <= r["qk_clipped_heads"] for r in train)
+    png = (run / "loss.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n"
+    assert int.from_bytes(png[16:20], "big") == 12 * 120    # loss and max-logit panels
     saved = json.loads((run / "summary.json").read_text())
     assert saved["steps"] == 3 and saved["val_loss"] == summary["val_loss"]
     assert 0 < saved["val_unigram_entropy"] < 5

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -20,6 +21,14 @@ _REMAT = {
     "dots": jax.checkpoint_policies.dots_saveable,
     "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
 }
+
+
+class Aux(NamedTuple):
+    """What the forward reports besides the logits."""
+
+    max_logit: jax.Array   # [L, N] largest pre-softmax attention logit per layer and
+                           # query head over the batch (QK-clip's S)
+    moe: dict              # MoE stats stacked [L_moe, ...] (moe.Stats); {} when dense
 
 
 class GPT(nnx.Module):
@@ -54,39 +63,41 @@ class GPT(nnx.Module):
 
     def __call__(self, tokens: jax.Array, return_aux: bool = False):
         """Logits [B, T, V_padded] in fp32 for tokens [B, T]; with ``return_aux``,
-        (logits, MoE stats stacked [L_moe, ...], empty for a dense model)."""
+        (logits, ``Aux``)."""
         cfg = self.cfg
         x = embed_lookup(self.embed[...].astype(cfg.dtype), tokens)   # [B, T, D]
         positions = jnp.arange(tokens.shape[1])
-        x, stats = self._run_layers(x, positions)
+        x, aux = self._run_layers(x, positions)
         x = rms_norm(x, self.final_norm[...], cfg.norm_eps)
         head = self.embed[...].T if cfg.tie_embeddings else self.head[...]
         logits = jnp.einsum("btd,dv->btv", x, head.astype(cfg.dtype),
                             preferred_element_type=jnp.float32)
         logits = constrain(logits, (ax.BATCH, ax.SEQ, ax.ACT_VOCAB))
-        return (logits, stats) if return_aux else logits
+        return (logits, aux) if return_aux else logits
 
-    def _run_layers(self, x: jax.Array, positions: jax.Array):
+    def _run_layers(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, "Aux"]:
         """Dense and MoE layers in model order: each run of consecutive layers of one
-        kind runs its slice of that kind's stack; MoE layers also give their stats."""
-        start, stats = {False: 0, True: 0}, []
+        kind runs its slice of that kind's stack."""
+        start, max_logits, moe_stats = {False: 0, True: 0}, [], []
         for moe, run in itertools.groupby(self.cfg.moe_layers):
             n = len(list(run))
-            x, layer_stats = self._run_stack(self.moe_blocks if moe else self.blocks, moe, x,
-                                             positions, start[moe], n)
+            x, stats = self._run_stack(self.moe_blocks if moe else self.blocks, moe, x,
+                                       positions, start[moe], n)
             start[moe] += n
+            max_logits.append(stats.pop("max_logit"))   # [n, B, N]
             if moe:
-                stats.append(layer_stats)
-        return x, jax.tree.map(lambda *a: jnp.concatenate(a), *stats) if stats else {}
+                moe_stats.append(stats)
+        concat = lambda parts: jax.tree.map(lambda *a: jnp.concatenate(a), *parts)
+        # Reduced over the batch last: one (max) all-reduce of [L, N] when it is split.
+        return x, Aux(concat(max_logits).max(axis=1), concat(moe_stats) if moe_stats else {})
 
     def _run_stack(self, stack: nnx.Module, moe: bool, x: jax.Array, positions: jax.Array,
                    start: int, n: int):
-        """Layers start..start+n of one stack: (x, their MoE stats or None)."""
+        """Layers start..start+n of one stack: (x, their stats stacked [n, ...])."""
         graphdef, state = nnx.split(stack)
 
         def one_layer(x, layer_state):
-            out = nnx.merge(graphdef, layer_state)(x, positions)
-            return out if moe else (out, None)
+            return nnx.merge(graphdef, layer_state)(x, positions)
 
         if self.cfg.remat != "none":
             one_layer = jax.checkpoint(one_layer, policy=_REMAT[self.cfg.remat])
@@ -109,16 +120,13 @@ class GPT(nnx.Module):
             return jax.lax.scan(one_layer, x, treedef.unflatten([w[:size] for w in whole]))
 
         if not moe and self.cfg.prefetch:   # group i+1's gather issued before group i
-            x = run_prefetched(lambda x, whole, size: run(x, whole, size)[0], x, leaves,
-                               axes, ax.LAYERS, sizes)
-            return x, None
+            return run_prefetched(run, x, leaves, axes, ax.LAYERS, sizes)
+
+        # MoE layers run a shard_map of their own, which cannot nest in run_gathered's.
+        runner = run_constrained if moe else run_gathered
 
         def run_group(x, group, size=group):
-            if moe:   # MoE layers run a shard_map of their own, which cannot nest
-                return run_constrained(lambda x, whole: run(x, whole, size), x, group, axes,
-                                       ax.LAYERS)
-            return run_gathered(lambda x, whole: run(x, whole, size)[0], x, group, axes,
-                                ax.LAYERS), None
+            return runner(lambda x, whole: run(x, whole, size), x, group, axes, ax.LAYERS)
 
         stats = []
         if full:
@@ -127,7 +135,7 @@ class GPT(nnx.Module):
         if last:
             x, last_stats = run_group(x, [leaf[full] for leaf in leaves], last)
             stats.append(last_stats)
-        return x, jax.tree.map(lambda *s: jnp.concatenate(s), *stats) if moe else None
+        return x, jax.tree.map(lambda *s: jnp.concatenate(s), *stats)
 
 
 def zero_padding(var: nnx.Param, vocab_size: int, axis: int) -> None:

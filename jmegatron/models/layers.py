@@ -77,12 +77,39 @@ def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
     return out.astype(x.dtype)
 
 
+_MASKED = -0.7 * float(jnp.finfo(jnp.float32).max)   # a logit softmax gives no weight
+
+
+def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Causal softmax attention of q [B, T, N, H] over k, v [B, T, K, H] (query head
+    n uses key/value head n // (N/K)), with the logits in fp32.
+
+    Also returns each example's and query head's largest pre-softmax logit
+    q_t . k_s / sqrt(H) over the unmasked s <= t, [B, N]: what QK-clip watches.
+    It is read off the softmax's own row maxima and carries no gradient, so it
+    costs one reduction of the [B, N, T] maxima and keeps no [B, N, T, T] tensor.
+    """
+    t, n, h = q.shape[1:]
+    # Each key/value head repeated for its query heads: plain multi-head einsums,
+    # which XLA:CPU runs faster than grouped ones (experiments.bench_attention).
+    k, v = (jnp.repeat(a, n // a.shape[2], axis=2) for a in (k, v))        # [B, T, N, H]
+    logits = jnp.einsum("btnh,bsnh->bnts", q, k,
+                        preferred_element_type=jnp.float32) * h ** -0.5      # [B, N, T, T]
+    logits = jnp.where(jnp.tril(jnp.ones((t, t), bool)), logits, _MASKED)
+    # The same row maxima as the softmax's own (XLA computes them once).
+    peak = jax.lax.stop_gradient(logits.max(axis=-1).max(axis=-1))          # [B, N]
+    weights = jax.nn.softmax(logits, axis=-1)
+    return jnp.einsum("bnts,bsnh->btnh", weights.astype(v.dtype), v), peak
+
+
 class Attention(nnx.Module):
     """Grouped-query attention with a fused, column-parallel QKV weight.
 
     The QKV weight is [D, K, G+2, H]: for each of the K key/value heads, its
     G = N/K query heads, then its key, then its value (Megatron's layout), so
-    sharding the K axis over `tensor` keeps each group on one device.
+    sharding the K axis over `tensor` keeps each group on one device. Returns
+    the output and the largest attention logit per example and head [B, N]
+    (``causal_attention``).
     """
 
     def __init__(self, cfg: GPTConfig, rngs: nnx.Rngs):
@@ -96,7 +123,7 @@ class Attention(nnx.Module):
             self.k_norm = param(rngs, (h,), (ax.NORM,), None)
         self.cfg = cfg
 
-    def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
         cfg = self.cfg
         b, t, _ = x.shape
         qkv = jnp.einsum("btd,dkgh->btkgh", x, self.qkv[...].astype(x.dtype))
@@ -108,9 +135,9 @@ class Attention(nnx.Module):
             q = rms_norm(q, self.q_norm[...], cfg.norm_eps)
             k = rms_norm(k, self.k_norm[...], cfg.norm_eps)
         q, k = rope(q, positions, cfg.rope_theta), rope(k, positions, cfg.rope_theta)
-        y = jax.nn.dot_product_attention(q, k, v, is_causal=True)   # [B, T, N, H]
+        y, max_logit = causal_attention(q, k, v)                   # [B, T, N, H], [B, N]
         y = constrain(y, (ax.BATCH, ax.SEQ, ax.ACT_HEADS, None))
-        return jnp.einsum("btnh,nhd->btd", y, self.out[...].astype(x.dtype))
+        return jnp.einsum("btnh,nhd->btd", y, self.out[...].astype(x.dtype)), max_logit
 
 
 class SwiGLU(nnx.Module):
@@ -134,7 +161,8 @@ class SwiGLU(nnx.Module):
 
 
 class Block(nnx.Module):
-    """Pre-norm decoder block: x + attn(norm(x)), then x + mlp(norm(x))."""
+    """Pre-norm decoder block: x + attn(norm(x)), then x + mlp(norm(x)); returns
+    (x, {"max_logit": [B, N]}), the attention's largest logits."""
 
     def __init__(self, cfg: GPTConfig, rngs: nnx.Rngs):
         self.attn_norm = param(rngs, (cfg.d_model,), (ax.NORM,), None)
@@ -143,8 +171,8 @@ class Block(nnx.Module):
         self.mlp = SwiGLU(cfg, rngs)
         self.eps = cfg.norm_eps
 
-    def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
-        x = x + self.attn(rms_norm(x, self.attn_norm[...], self.eps), positions)
-        x = constrain(x, (ax.BATCH, ax.SEQ, ax.ACT_EMBED))
+    def __call__(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, dict]:
+        y, max_logit = self.attn(rms_norm(x, self.attn_norm[...], self.eps), positions)
+        x = constrain(x + y, (ax.BATCH, ax.SEQ, ax.ACT_EMBED))
         x = x + self.mlp(rms_norm(x, self.mlp_norm[...], self.eps))
-        return constrain(x, (ax.BATCH, ax.SEQ, ax.ACT_EMBED))
+        return constrain(x, (ax.BATCH, ax.SEQ, ax.ACT_EMBED)), {"max_logit": max_logit}

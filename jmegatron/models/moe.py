@@ -186,7 +186,8 @@ class MoE(nnx.Module):
 
 
 class MoEBlock(nnx.Module):
-    """Pre-norm decoder block whose MLP is a mixture of experts; returns (x, stats)."""
+    """Pre-norm decoder block whose MLP is a mixture of experts; returns (x, stats),
+    the MoE stats and the attention's largest logits ("max_logit" [B, N])."""
 
     def __init__(self, cfg: GPTConfig, rngs: nnx.Rngs):
         self.attn_norm = param(rngs, (cfg.d_model,), (ax.NORM,), None)
@@ -196,10 +197,10 @@ class MoEBlock(nnx.Module):
         self.eps = cfg.norm_eps
 
     def __call__(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, Stats]:
-        x = x + self.attn(rms_norm(x, self.attn_norm[...], self.eps), positions)
-        x = constrain(x, (ax.BATCH, ax.SEQ, ax.ACT_EMBED))
+        y, max_logit = self.attn(rms_norm(x, self.attn_norm[...], self.eps), positions)
+        x = constrain(x + y, (ax.BATCH, ax.SEQ, ax.ACT_EMBED))
         y, stats = self.moe(rms_norm(x, self.mlp_norm[...], self.eps))
-        return constrain(x + y, (ax.BATCH, ax.SEQ, ax.ACT_EMBED)), stats
+        return constrain(x + y, (ax.BATCH, ax.SEQ, ax.ACT_EMBED)), {**stats, "max_logit": max_logit}
 
 
 def moe_losses(stats: Stats, cfg: MoEConfig) -> tuple[jax.Array, dict[str, jax.Array]]:

@@ -35,18 +35,20 @@ import jax.numpy as jnp
 
 from jmegatron.sharding.rules import active_mesh_and_rules, activation_sharding, manual_split
 
-# run(x, whole, size) -> x: the first ``size`` layers of one group, ``whole`` its
-# gathered weights (each leaf [g, ...]).
-RunGroup = Callable[[jax.Array, list, int], jax.Array]
+# run(x, whole, size) -> (x, stats): the first ``size`` layers of one group, ``whole``
+# its gathered weights (each leaf [g, ...]); stats per layer and example [size, B, ...],
+# which carry no gradient.
+RunGroup = Callable[[jax.Array, list, int], tuple[jax.Array, dict]]
 
 _SAVED = jax.checkpoint_policies.dots_with_no_batch_dims_saveable
 
 
 def run_prefetched(run: RunGroup, x: jax.Array, leaves: Sequence[jax.Array],
                    leaf_axes: Sequence[Sequence[str | None]], name: str,
-                   sizes: Sequence[int]) -> jax.Array:
+                   sizes: Sequence[int]) -> tuple[jax.Array, dict]:
     """``x`` through groups 0..G-1 of ``leaves`` ([G, g, ...] each, dim 1 named
-    ``name``, split over the owner ranks): ``run(x, whole_i, sizes[i])`` in turn.
+    ``name``, split over the owner ranks): ``run(x, whole_i, sizes[i])`` in turn;
+    returns x and the groups' stats concatenated [sum(sizes), B, ...].
 
     Runs in ``jax.shard_map``, manual over the batch axes: each group moves by one
     all-gather over the mesh axes that split ``name``, issued a group ahead (see
@@ -56,7 +58,7 @@ def run_prefetched(run: RunGroup, x: jax.Array, leaves: Sequence[jax.Array],
     groups just run in turn.
 
     Args:
-      run: runs the first ``size`` layers of one gathered group.
+      run: runs the first ``size`` layers of one gathered group (``RunGroup``).
       x: activations [B, T, D].
       leaves: the stack's weights, each [G, g, ...].
       leaf_axes: each leaf's logical axes after the group axis (``name`` first).
@@ -77,14 +79,21 @@ def run_prefetched(run: RunGroup, x: jax.Array, leaves: Sequence[jax.Array],
         return _prefetching(inner_run, split.owners, tuple(sizes))(x_block, list(blocks))
 
     return jax.shard_map(body, mesh=mesh, in_specs=(split.x_spec, *split.leaf_specs),
-                         out_specs=split.x_spec, axis_names=set(split.manual))(x, *leaves)
+                         out_specs=(split.x_spec, split.stats_spec),
+                         axis_names=set(split.manual))(x, *leaves)
 
 
 def _groups(fetch, run, x, sizes):
     """Groups in turn, no collectives (one device)."""
+    stats = []
     for i, size in enumerate(sizes):
-        x = run(x, fetch(i), size)
-    return x
+        x, group_stats = run(x, fetch(i), size)
+        stats.append(group_stats)
+    return x, _concatenate(stats)
+
+
+def _concatenate(stats: list) -> dict:
+    return jax.tree.map(lambda *s: jnp.concatenate(s), *stats)
 
 
 def _prefetching(run: RunGroup, owners: tuple[str, ...], sizes: tuple[int, ...]):
@@ -109,14 +118,14 @@ def _prefetching(run: RunGroup, owners: tuple[str, ...], sizes: tuple[int, ...])
     layouts = {}   # full (0) and last group: where the weights sit among the vjp's residuals
 
     def forward_group(i, x, whole):
-        """(y, the residuals to save: group i's vjp without its weights); i is 0 for
-        any full group (they share one trace) or G-1."""
+        """(y, stats, the residuals to save: group i's vjp without its weights); i is
+        0 for any full group (they share one trace) or G-1."""
         run_i = functools.partial(run, size=sizes[i])
-        y, vjp = jax.vjp(jax.checkpoint(run_i, policy=_SAVED), x, whole)
+        y, vjp, stats = jax.vjp(jax.checkpoint(run_i, policy=_SAVED), x, whole, has_aux=True)
         leaves, treedef = jax.tree.flatten(vjp)
         where = [next((k for k, w in enumerate(whole) if r is w), None) for r in leaves]
         layouts[i] = (treedef, where)
-        return y, [r for r, k in zip(leaves, where) if k is None]
+        return y, stats, [r for r, k in zip(leaves, where) if k is None]
 
     def backward_group(i, saved, whole, dy):
         treedef, where = layouts[i]
@@ -127,18 +136,20 @@ def _prefetching(run: RunGroup, owners: tuple[str, ...], sizes: tuple[int, ...])
         return fwd(x, blocks)[0]
 
     def fwd(x, blocks):
-        whole, saved = gather(blocks, 0), None
+        whole, saved, stats = gather(blocks, 0), None, []
         if groups > 1:   # groups 0..G-2 are full: one scan; the last may be shorter
             def step(carry, i):
                 x, whole = carry
                 ahead = gather(blocks, i + 1)   # issued before group i, independent of it
-                x, kept = forward_group(0, x, whole)
-                return (x, ahead), kept
-            (x, whole), saved = jax.lax.scan(step, (x, whole), jnp.arange(groups - 1))
-        x, last = forward_group(groups - 1, x, whole)
-        return x, (blocks, saved, last)
+                x, group_stats, kept = forward_group(0, x, whole)
+                return (x, ahead), (group_stats, kept)
+            (x, whole), (full, saved) = jax.lax.scan(step, (x, whole), jnp.arange(groups - 1))
+            stats.append(jax.tree.map(lambda s: s.reshape(-1, *s.shape[2:]), full))
+        x, last_stats, last = forward_group(groups - 1, x, whole)
+        return (x, _concatenate([*stats, last_stats])), (blocks, saved, last)
 
-    def bwd(res, dy):
+    def bwd(res, cotangents):
+        dy, _ = cotangents   # the stats carry no gradient
         blocks, saved, last = res
         whole = gather(blocks, once(groups - 1, dy))
         ahead = gather(blocks, once(groups - 2, dy)) if groups > 1 else None

@@ -179,8 +179,9 @@ def without_axes(rules: Rules, axes: Iterable[str]) -> Rules:
 
 
 def run_gathered(fn: Callable, x: jax.Array, leaves: Sequence[jax.Array],
-                 leaf_axes: Sequence[Sequence[str | None]], name: str) -> jax.Array:
-    """``fn(x, leaves)`` with each leaf gathered whole along its dim ``name`` (dim 0).
+                 leaf_axes: Sequence[Sequence[str | None]], name: str):
+    """``fn(x, leaves)`` with each leaf gathered whole along its dim ``name`` (dim 0);
+    ``fn`` returns (x, per-layer stats), each stats leaf [layers, B, ...].
 
     Runs in ``jax.shard_map``, manual over the batch axes: each leaf moves by one
     all-gather over the mesh axes that split ``name``, and its gradient comes back
@@ -208,7 +209,8 @@ def run_gathered(fn: Callable, x: jax.Array, leaves: Sequence[jax.Array],
             return fn(x_block, whole)
 
     return jax.shard_map(body, mesh=mesh, in_specs=(split.x_spec, *split.leaf_specs),
-                         out_specs=split.x_spec, axis_names=set(manual))(x, *leaves)
+                         out_specs=(split.x_spec, split.stats_spec),
+                         axis_names=set(manual))(x, *leaves)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -221,6 +223,11 @@ class ManualSplit:
     x_spec: P                          # activations [B, T, D]
     leaf_specs: tuple[P, ...]          # each leaf, over the manual axes only
     inner_rules: Rules                 # activations inside, over the other axes
+
+    @property
+    def stats_spec(self) -> P:
+        """Per-layer, per-example statistics [layers, B, ...]."""
+        return P(None, self.x_spec[0])
 
 
 def manual_split(mesh, rules: Rules, name: str,

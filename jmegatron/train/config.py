@@ -320,6 +320,12 @@ class TrainConfig:
     """Gradient accumulation: the batch is processed in this many pieces."""
     z_loss: float = 0.0
     """Weight of the log-partition penalty z_loss * log(Z)^2 (PaLM)."""
+    qk_clip: float = 0.0
+    """QK-clip threshold tau (MuonClip, Kimi K2): after each step, attention heads whose
+    largest logit in the batch exceeded it get W_q, W_k rescaled to bring it to tau
+    (0: off; not with --model.qk-norm, which undoes the rescaling)."""
+    qk_clip_alpha: float = 0.5
+    """Share of each QK-clip put on the queries (the rest on the keys)."""
     eval_every: int = 100
     """Evaluate on the validation split and print samples every this many steps."""
     eval_batches: int = 4
@@ -354,6 +360,10 @@ class TrainConfig:
             require(name.replace("_", "-"), getattr(self, name),
                     non_negative(getattr(self, name)), "a finite number >= 0")
         require("sample-tokens", self.sample_tokens, self.sample_tokens >= 0, ">= 0")
+        require("qk-clip", self.qk_clip, non_negative(self.qk_clip), "a finite number >= 0")
+        require("qk-clip", self.qk_clip, not (self.qk_clip and self.model.qk_norm),
+                "0 with --model.qk-norm (normalized queries and keys undo its rescaling)")
+        require("qk-clip-alpha", self.qk_clip_alpha, fraction(self.qk_clip_alpha), "in [0, 1]")
         require("microbatches", self.microbatches, self.batch_size % self.microbatches == 0,
                 f"a divisor of --batch-size {self.batch_size}")
         if self.optim == "adaptive_muon" and self.adaptive_muon.second_moment == "namo":

@@ -19,7 +19,7 @@ from tqdm import tqdm
 
 from jmegatron.data import Corpus, eval_batch, load_corpus, make_batch, unigram_entropy
 from jmegatron.data.batches import require_window
-from jmegatron.models import GPT, GPTConfig, validate_sharding
+from jmegatron.models import GPT, GPTConfig, qk_clipper, validate_sharding
 from jmegatron.sharding import MeshConfig, Rules, logical_to_spec, make_mesh
 from jmegatron.sharding.layouts import Layout, make_layout
 from jmegatron.sharding import rules as ax
@@ -124,8 +124,9 @@ class Trainer:
         self.resumed: dict = {}   # where this run continues from, and what it changed
         self.start_step = self._resume() if cfg.resume or cfg.resume_from else 0
         loss_fn = make_loss_fn(self.graphdef, self.model_cfg, self.mesh, self.rules, cfg.z_loss)
+        clip = qk_clipper(self.model_cfg, cfg.qk_clip, cfg.qk_clip_alpha) if cfg.qk_clip else None
         self.train_step = make_train_step(loss_fn, self.optimizer, cfg.microbatches,
-                                          self.mesh, self.rules)
+                                          self.mesh, self.rules, clip)
         self.eval_step = make_eval_step(loss_fn)
         self.sampler = make_sampler(self.graphdef, self.model_cfg, self.mesh, self.rules,
                                     cfg.top_k)
@@ -312,7 +313,8 @@ class Run:
                 dt = (now - mark) / max(done - mark_step, 1)
                 last = self._log_step(done, metrics, float("nan") if first else dt)
                 mark, mark_step = now, done
-                bar.set_postfix(loss=f"{last['loss']:.3f}", tok_s=f"{tokens_per_step / dt:,.0f}")
+                bar.set_postfix(loss=f"{last['loss']:.3f}", tok_s=f"{tokens_per_step / dt:,.0f}",
+                                max_logit=f"{last['max_attention_logit']:.1f}")
             if done % cfg.eval_every == 0 and done != cfg.steps:
                 eval_loss = self._evaluate(done)
                 # Evaluation time is not training time.

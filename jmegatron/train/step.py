@@ -13,26 +13,31 @@ from jax.sharding import NamedSharding
 from jmegatron.models.config import GPTConfig
 from jmegatron.models.loss import cross_entropy
 from jmegatron.models.moe import balance_expert_bias, moe_losses
+from jmegatron.models.qk_clip import Clip
 from jmegatron.sharding import rules as ax
 from jmegatron.sharding.rules import Rules, activation_sharding, logical_to_spec
 from jmegatron.train.optimizer import Optimizer, group_update_rms
 from jmegatron.train.state import TrainState, split_trained
 
-# loss_fn(params, tokens [B, T+1]) -> (loss, {"nll": ..., "z_loss": ..., MoE metrics})
+# loss_fn(params, tokens [B, T+1]) -> (loss, {"nll": ..., "z_loss": ..., MoE metrics,
+# "max_attention_logit": [L, N]}); the entries of PEAKS are maxima, the others means.
 LossFn = Callable[[nnx.State, jax.Array], tuple[jax.Array, dict[str, jax.Array]]]
+PEAKS = ("max_attention_logit",)
 
 
 def make_loss_fn(graphdef: nnx.GraphDef, model_cfg: GPTConfig, mesh: jax.sharding.Mesh,
                  rules: Rules, z_loss: float = 0.0) -> LossFn:
     """Next-token loss of the model; activations pinned by ``rules``, vocab-parallel loss;
-    plus the weighted MoE losses, with the MoE metrics (``moe_losses``), for MoE models."""
+    plus the weighted MoE losses, with the MoE metrics (``moe_losses``), for MoE models;
+    and the largest attention logit per layer and head."""
     def loss_fn(params, tokens):
         with activation_sharding(mesh, rules):
-            logits, moe_stats = nnx.merge(graphdef, params)(tokens[:, :-1], return_aux=True)
+            logits, model_aux = nnx.merge(graphdef, params)(tokens[:, :-1], return_aux=True)
         loss, aux = cross_entropy(logits, tokens[:, 1:], model_cfg.vocab_size, z_loss=z_loss,
                                   mesh=mesh, rules=rules)
-        moe_loss, moe_metrics = moe_losses(moe_stats, model_cfg.moe)
-        return loss + moe_loss, {**aux, **moe_metrics}
+        moe_loss, moe_metrics = moe_losses(model_aux.moe, model_cfg.moe)
+        return loss + moe_loss, {**aux, **moe_metrics,
+                                 "max_attention_logit": model_aux.max_logit}
     return loss_fn
 
 
@@ -50,25 +55,32 @@ def split_microbatches(tokens: jax.Array, n: int, mesh: jax.sharding.Mesh,
 
 
 def accumulate_grads(loss_fn: LossFn, params: nnx.State, micro: jax.Array):
-    """Mean loss, aux and gradients over microbatches [n, b, T+1], summed in fp32."""
+    """Mean loss, aux and gradients over microbatches [n, b, T+1], summed in fp32
+    (the aux entries of PEAKS: maxima)."""
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
-    def add(carry, tokens):
+    def one(tokens):
         (loss, aux), grads = grad_fn(params, tokens)
-        return jax.tree.map(jnp.add, carry, (loss, aux, grads)), None
+        peaks = {k: aux.pop(k) for k in PEAKS if k in aux}
+        return jax.tree.map(lambda x: x.astype(jnp.float32), (loss, aux, grads)), peaks
 
-    (loss, aux), grads = grad_fn(params, micro[0])
-    first = jax.tree.map(lambda x: x.astype(jnp.float32), (loss, aux, grads))
-    total, _ = jax.lax.scan(add, first, micro[1:])
-    return jax.tree.map(lambda x: x / micro.shape[0], total)
+    def add(carry, tokens):
+        total, peaks = one(tokens)
+        return (jax.tree.map(jnp.add, carry[0], total),
+                jax.tree.map(jnp.maximum, carry[1], peaks)), None
+
+    (total, peaks), _ = jax.lax.scan(add, one(micro[0]), micro[1:])
+    loss, aux, grads = jax.tree.map(lambda x: x / micro.shape[0], total)
+    return loss, {**aux, **peaks}, grads
 
 
 def make_train_step(loss_fn: LossFn, optimizer: Optimizer, microbatches: int,
-                    mesh: jax.sharding.Mesh,
-                    rules: Rules) -> Callable[[TrainState, jax.Array], tuple[TrainState, dict]]:
+                    mesh: jax.sharding.Mesh, rules: Rules, qk_clip: Clip | None = None,
+                    ) -> Callable[[TrainState, jax.Array], tuple[TrainState, dict]]:
     """A jitted step (state donated). A step whose loss, gradients, new params or new
     optimizer state are not all finite leaves params and optimizer state bitwise
-    unchanged and is counted as skipped."""
+    unchanged and is counted as skipped. ``qk_clip`` (``models.qk_clipper``) rescales
+    the updated attention weights for the step's largest logits."""
 
     def train_step(state: TrainState, tokens: jax.Array):
         micro = split_microbatches(tokens, microbatches, mesh, rules)
@@ -78,7 +90,12 @@ def make_train_step(loss_fn: LossFn, optimizer: Optimizer, microbatches: int,
         grad_norm = optax.tree.norm(grads)
         updates, opt_state = optimizer.tx.update(grads, state.opt_state, trained)
         fixed = balance_expert_bias(fixed, aux)   # MoE only: set by the step, not trained
-        params = nnx.merge_state(optax.apply_updates(trained, updates), fixed)
+        trained = optax.apply_updates(trained, updates)
+        max_logit = aux.pop("max_attention_logit")                  # [L, N]
+        if qk_clip is not None:
+            trained, clip_metrics = qk_clip(trained, max_logit)
+            aux.update(clip_metrics)
+        params = nnx.merge_state(trained, fixed)
         finite = (jnp.isfinite(loss) & jnp.isfinite(grad_norm) & all_finite(params)
                   & all_finite(opt_state))
         keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
@@ -86,6 +103,8 @@ def make_train_step(loss_fn: LossFn, optimizer: Optimizer, microbatches: int,
                                keep(opt_state, state.opt_state),
                                state.skipped + (~finite).astype(jnp.int32))
         metrics = {"loss": loss, **aux, "grad_norm": grad_norm,
+                   "max_attention_logit": max_logit.max(),
+                   "max_attention_logit_per_layer": max_logit.max(axis=-1),
                    # Skipped steps rolled the optimizer's own count back too.
                    "lr": optimizer.schedule(state.step - state.skipped), "skipped": ~finite,
                    **group_update_rms(updates, optimizer.leaf_groups)}
