@@ -35,6 +35,7 @@ References:
 from __future__ import annotations
 
 import itertools
+import math
 from typing import Callable
 
 import jax
@@ -121,9 +122,7 @@ def _per_slot(scale: jax.Array, weight: jax.Array) -> jax.Array:
     """[L, K, G + 2] scales broadcast against a QKV weight [L, D, K, G + 2, H], or a
     grouped one [G, g, D, K, G + 2, H] (padding layers get 1)."""
     lead = weight.shape[:-4]                          # (L,) or (groups, g)
-    slots = 1
-    for n in lead:
-        slots *= n
+    slots = math.prod(lead)
     scale = jnp.pad(scale, ((0, slots - scale.shape[0]), (0, 0), (0, 0)), constant_values=1.0)
     return scale.reshape(*lead, 1, *scale.shape[1:], 1)
 

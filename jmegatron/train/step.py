@@ -90,11 +90,8 @@ def make_train_step(loss_fn: LossFn, optimizer: Optimizer, microbatches: int,
         grad_norm = optax.tree.norm(grads)
         updates, opt_state = optimizer.tx.update(grads, state.opt_state, trained)
         fixed = balance_expert_bias(fixed, aux)   # MoE only: set by the step, not trained
-        trained = optax.apply_updates(trained, updates)
-        max_logit = aux.pop("max_attention_logit")                  # [L, N]
-        if qk_clip is not None:
-            trained, clip_metrics = qk_clip(trained, max_logit)
-            aux.update(clip_metrics)
+        trained, logit_metrics = watch_logits(optax.apply_updates(trained, updates), aux,
+                                              qk_clip)
         params = nnx.merge_state(trained, fixed)
         finite = (jnp.isfinite(loss) & jnp.isfinite(grad_norm) & all_finite(params)
                   & all_finite(opt_state))
@@ -102,15 +99,31 @@ def make_train_step(loss_fn: LossFn, optimizer: Optimizer, microbatches: int,
         new_state = TrainState(state.step + 1, keep(params, state.params),
                                keep(opt_state, state.opt_state),
                                state.skipped + (~finite).astype(jnp.int32))
-        metrics = {"loss": loss, **aux, "grad_norm": grad_norm,
-                   "max_attention_logit": max_logit.max(),
-                   "max_attention_logit_per_layer": max_logit.max(axis=-1),
+        metrics = {"loss": loss, **aux, **logit_metrics, "grad_norm": grad_norm,
                    # Skipped steps rolled the optimizer's own count back too.
                    "lr": optimizer.schedule(state.step - state.skipped), "skipped": ~finite,
                    **group_update_rms(updates, optimizer.leaf_groups)}
         return new_state, metrics
 
     return jax.jit(train_step, donate_argnums=0)
+
+
+def watch_logits(trained: nnx.State, aux: dict, qk_clip: Clip | None):
+    """Takes the step's largest attention logits [L, N] out of ``aux``: (``trained``,
+    clipped by ``qk_clip`` when given; their metrics: the max overall and per layer,
+    and the clip's)."""
+    max_logit = aux.pop("max_attention_logit", None)
+    if max_logit is None:
+        if qk_clip is not None:
+            raise ValueError("qk_clip needs the loss function's max_attention_logit "
+                             "(make_loss_fn reports it)")
+        return trained, {}
+    metrics = {"max_attention_logit": max_logit.max(),
+               "max_attention_logit_per_layer": max_logit.max(axis=-1)}
+    if qk_clip is not None:
+        trained, clip_metrics = qk_clip(trained, max_logit)
+        metrics.update(clip_metrics)
+    return trained, metrics
 
 
 def all_finite(tree) -> jax.Array:
