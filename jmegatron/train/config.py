@@ -302,6 +302,11 @@ class TrainConfig:
     resume_from: str | None = None
     """Start from a checkpoint folder (run/checkpoints) or one step of it (run/checkpoints/200),
     possibly written on another mesh or layout."""
+    init_from: str | None = None
+    """Start from a Hugging Face model folder, hf:PATH (Llama, Qwen3, Qwen3-MoE: see
+    jmegatron.models.hf): its config.json sets the architecture (--model.* shape flags
+    are replaced; dtype, remat and the MoE training options stay) and its weights the
+    initial params."""
     overwrite: bool = False
     """Delete what the run folder out_dir/name holds (checkpoints first) and start afresh."""
     allow_change: tuple[str, ...] = ()
@@ -363,6 +368,9 @@ class TrainConfig:
         require("qk-clip", self.qk_clip, non_negative(self.qk_clip), "a finite number >= 0")
         require("qk-clip", self.qk_clip, not (self.qk_clip and self.model.qk_norm),
                 "0 with --model.qk-norm (normalized queries and keys undo its rescaling)")
+        require("init-from", self.init_from,
+                self.init_from is None or self.init_from.startswith("hf:"),
+                "hf:PATH (a Hugging Face model folder)")
         require("qk-clip-alpha", self.qk_clip_alpha, fraction(self.qk_clip_alpha), "in [0, 1]")
         require("microbatches", self.microbatches, self.batch_size % self.microbatches == 0,
                 f"a divisor of --batch-size {self.batch_size}")

@@ -19,14 +19,14 @@ from tqdm import tqdm
 
 from jmegatron.data import Corpus, eval_batch, load_corpus, make_batch, unigram_entropy
 from jmegatron.data.batches import require_window
-from jmegatron.models import GPT, GPTConfig, qk_clipper, validate_sharding
+from jmegatron.models import GPT, GPTConfig, hf, qk_clipper, validate_sharding
 from jmegatron.sharding import MeshConfig, Rules, logical_to_spec, make_mesh
 from jmegatron.sharding.layouts import Layout, make_layout
 from jmegatron.sharding import rules as ax
 from jmegatron.train import run_folder
 from jmegatron.train.checkpoint import (Checkpointer, CheckpointDamaged, CheckpointError, FORMAT,
                                         abstract_of, error_line, leaf_codecs)
-from jmegatron.train.config import TrainConfig
+from jmegatron.train.config import ConfigError, TrainConfig
 from jmegatron.train.distributed import AnyProcess, barrier, is_main, same_on_all
 from jmegatron.train.metrics import MetricsWriter, jsonable, measure_matmul_rate
 from jmegatron.train.optimizer import make_optimizer
@@ -61,9 +61,20 @@ class Plan:
         return self.layout.rules
 
 
+def with_initial_model(cfg: TrainConfig) -> TrainConfig:
+    """``cfg`` with the architecture of its --init-from folder (as it is without one)."""
+    if not cfg.init_from:
+        return cfg
+    try:
+        return dataclasses.replace(cfg, model=hf.config_from_hf(cfg.init_from[3:], cfg.model))
+    except ConfigError as err:   # a setting the folder's model refuses (e.g. --qk-clip)
+        raise ValueError(f"{err} (with --init-from {cfg.init_from})") from None
+
+
 def plan_run(cfg: TrainConfig) -> Plan:
     """Resolves and checks mesh, corpus, model and batch; raises ValueError (or
     DataError) naming the numbers or path, before any compile."""
+    cfg = with_initial_model(cfg)
     if cfg.resume and not cfg.name:
         raise ValueError("--resume continues the run folder out_dir/name: give --name "
                          "(or --resume-from PATH)")
@@ -98,6 +109,7 @@ class Trainer:
 
     def __init__(self, cfg: TrainConfig, plan: Plan | None = None, log=print,
                  resume_command: str | None = None):
+        cfg = with_initial_model(cfg)
         plan = plan or plan_run(cfg)
         self.cfg, self.log = cfg, log if is_main() else (lambda *args, **kwargs: None)
         self.resume_command = resume_command or (
@@ -114,6 +126,8 @@ class Trainer:
         self.optimizer = make_optimizer(cfg, abstract_params, self.mesh, self.layout)
         self.graphdef, self.state = create_train_state(make_model, self.optimizer.tx,
                                                        self.optimizer.plan)
+        if cfg.init_from and not (cfg.resume or cfg.resume_from):
+            self.state = self.state._replace(params=self._initial_params())
         self.codecs = leaf_codecs(self.state, self.optimizer.plan)
         self.run_dir = plan.run_dir
         if cfg.overwrite:
@@ -130,6 +144,14 @@ class Trainer:
         self.eval_step = make_eval_step(loss_fn)
         self.sampler = make_sampler(self.graphdef, self.model_cfg, self.mesh, self.rules,
                                     cfg.top_k)
+
+    def _initial_params(self) -> nnx.State:
+        """--init-from's weights, read shard by shard, where the plan keeps params."""
+        loaded = nnx.state(hf.load(self.cfg.init_from[3:], self.mesh, self.rules,
+                                   cfg=self.model_cfg))
+        self.log(f"initialized from {self.cfg.init_from}")
+        return jax.tree.map(lambda new, old: jax.device_put(new, old.sharding), loaded,
+                            self.state.params)
 
     def _resume(self) -> int:
         """Restores the checkpoint ``--resume``/``--resume-from`` names; returns its step.

@@ -57,7 +57,7 @@ def run_settings(cfg: TrainConfig) -> dict[str, object]:
     groups = {"model": cfg.model, "data": cfg.data, "schedule": cfg.schedule,
               "adamw": cfg.adamw, **{name: getattr(cfg, name) for name in cfg.optimizer_groups}}
     flat = {k: getattr(cfg, k) for k in ("optim", "lr", "weight_decay", "weight_decay_method",
-                                         "grad_clip", "z_loss", "qk_clip", "qk_clip_alpha", "seed", "batch_size", "seq_len",
+                                         "grad_clip", "z_loss", "qk_clip", "qk_clip_alpha", "init_from", "seed", "batch_size", "seq_len",
                                          "steps")}
     for group, value in groups.items():
         for key, item in _flatten(dataclasses.asdict(value), group).items():

@@ -1,0 +1,78 @@
+"""Write a jmegatron checkpoint as a Hugging Face model folder.
+
+    python -m experiments.export_hf RUN_DIR/checkpoints/STEP OUT_DIR
+
+OUT_DIR receives config.json and safetensors shards that
+``transformers.AutoModelForCausalLM.from_pretrained(OUT_DIR)`` loads (Llama,
+Qwen3 with QK-norm, Qwen3-MoE with experts; see ``jmegatron.models.hf``). The
+checkpoint may come from any mesh and layout; it is read onto one device.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from pathlib import Path
+
+import jax
+from flax import nnx
+
+from jmegatron.models import GPT, GPTConfig, MoEConfig, hf
+from jmegatron.sharding import MeshConfig, make_mesh
+from jmegatron.sharding.layouts import make_layout
+from jmegatron.train import TrainConfig, create_train_state
+from jmegatron.train.checkpoint import Checkpointer, CheckpointError, abstract_of, leaf_codecs
+from jmegatron.train.config import CheckpointConfig
+from jmegatron.train.optimizer import make_optimizer
+
+
+def run_config(meta: dict) -> TrainConfig:
+    """The TrainConfig that wrote a checkpoint, from its meta: the model as built
+    (ungrouped, unpadded) and the run settings (``run_folder.run_settings``)."""
+    groups, flat = {}, {}
+    for key, value in meta["run"].items():
+        group, _, name = key.partition(".")
+        if group != "model":
+            (groups.setdefault(group, {}).__setitem__(name, value) if name
+             else flat.__setitem__(group, value))
+    model = {**meta["model"], "layer_group": 1, "padded_vocab_size": None}
+    model = GPTConfig(**{**model, "moe": MoEConfig(**model["moe"])})
+    base = TrainConfig()
+    parts = {g: dataclasses.replace(getattr(base, g), **fields) for g, fields in groups.items()}
+    return dataclasses.replace(base, model=model, **flat, **parts)
+
+
+def export(step_dir: str | Path, out_dir: str | Path) -> Path:
+    step_dir = Path(step_dir)
+    if not step_dir.name.isdigit() or not step_dir.is_dir():
+        raise CheckpointError(f"{step_dir} is not a checkpoint step folder (RUN/checkpoints/STEP)")
+    checkpointer = Checkpointer(step_dir.parent, CheckpointConfig(async_save=False))
+    cfg = run_config(checkpointer.read_meta(int(step_dir.name)))
+    mesh = make_mesh(MeshConfig(1, 1, 1, 1), jax.devices()[:1])
+    make_model = lambda: GPT(cfg.model.pad_vocab(1), nnx.Rngs(0))
+    abstract = nnx.split(nnx.eval_shape(make_model))[1]
+    optimizer = make_optimizer(cfg, abstract, mesh, make_layout("replicated", mesh.shape))
+    graphdef, state = create_train_state(make_model, optimizer.tx, optimizer.plan)
+    state, _ = checkpointer.restore(int(step_dir.name), abstract_of(state),
+                                    leaf_codecs(state, optimizer.plan))
+    checkpointer.close()
+    return hf.save(nnx.merge(graphdef, state.params), out_dir)
+
+
+def main(argv: list[str] | None = None) -> Path:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("checkpoint", help="RUN_DIR/checkpoints/STEP")
+    parser.add_argument("out_dir")
+    args = parser.parse_args(argv)
+    try:
+        out = export(args.checkpoint, args.out_dir)
+    except (CheckpointError, ValueError) as err:
+        sys.exit(f"error: {err}")
+    print(f"wrote {out} (config.json, safetensors)")
+    return out
+
+
+if __name__ == "__main__":
+    main()

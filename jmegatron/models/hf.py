@@ -1,0 +1,383 @@
+"""Hugging Face checkpoints in and out: Llama, Qwen3 and Qwen3-MoE folders.
+
+A Hugging Face folder holds ``config.json`` and ``*.safetensors`` (one file, or
+shards named by ``model.safetensors.index.json``) with one tensor per
+projection and layer. jmegatron stacks the layers ([L, ...], or [G, g, ...]
+under the owner layout) and fuses Q, K and V into [D, K, G+2, H] and gate
+and up into [D, 2, F]. ``load`` builds every shard of every parameter with
+``jax.make_array_from_callback``: each device's block is read from the
+layer tensors it covers (the vocabulary rows straight from the file), so no
+host or device ever holds the whole model; the host holds a few layer
+tensors at a time. ``save`` writes the inverse.
+
+What maps to what (per layer i, ``model.layers.{i}.`` omitted):
+
+    embed [V, D]              model.embed_tokens.weight (padded rows zero)
+    head [D, V]               lm_head.weight^T (absent when tied)
+    final_norm                model.norm.weight
+    attn_norm, mlp_norm       input_layernorm, post_attention_layernorm
+    attn.qkv [D, K, G+2, H]   self_attn.{q,k,v}_proj.weight, q rows as [K, G, H]
+    attn.out [N, H, D]        self_attn.o_proj.weight^T
+    attn.q_norm, k_norm       self_attn.{q,k}_norm.weight (Qwen3)
+    mlp.gate_up [D, 2, F]     mlp.{gate,up}_proj.weight^T
+    mlp.down [F, D]           mlp.down_proj.weight^T
+    moe.router [D, E]         mlp.gate.weight^T (Qwen3-MoE)
+    moe.gate_up [E, D, 2, F]  mlp.experts.{e}.{gate,up}_proj.weight^T
+    moe.down [E, F, D]        mlp.experts.{e}.down_proj.weight^T
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+from pathlib import Path
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import SingleDeviceSharding
+
+from jmegatron.models.config import GPTConfig, MoEConfig
+from jmegatron.models.gpt import GPT, real_layers
+from jmegatron.models.sharded import state_shardings
+from jmegatron.sharding.rules import DEFAULT_RULES, Rules
+
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                 "qwen3_moe": "Qwen3MoeForCausalLM"}
+# Options that change the computation and that jmegatron does not have; each
+# must be absent or equal to the value here.
+_UNSUPPORTED = {"hidden_act": "silu", "attention_bias": False, "mlp_bias": False,
+                "use_sliding_window": False, "rope_scaling": None, "shared_expert_intermediate_size": 0}
+_INDEX = "model.safetensors.index.json"
+
+
+class HFError(ValueError):
+    """A Hugging Face folder jmegatron cannot read; the message names the field or file."""
+
+
+def config_from_hf(path: str | Path, base: GPTConfig = GPTConfig()) -> GPTConfig:
+    """The GPTConfig of the Hugging Face folder ``path`` (unpadded vocabulary): its
+    architecture from config.json, jmegatron's own choices (dtype, remat, init_std,
+    MoE dispatch, aux-loss weights, ...) from ``base``."""
+    hf = json.loads(_file(Path(path), "config.json").read_text())
+    kind = hf.get("model_type")
+    if kind not in ARCHITECTURES:
+        raise HFError(f"{path}: model_type={kind!r} is not supported; "
+                      f"supported: {', '.join(ARCHITECTURES)}")
+    for field, ok in _UNSUPPORTED.items():
+        if hf.get(field) not in (None, ok):
+            raise HFError(f"{path}: {field}={hf[field]!r} is not supported (jmegatron needs "
+                          f"{ok!r})")
+    heads = hf["num_attention_heads"]
+    moe = _moe_from_hf(hf, path, base.moe) if kind == "qwen3_moe" else MoEConfig()
+    return dataclasses.replace(
+        base, vocab_size=hf["vocab_size"], d_model=hf["hidden_size"],
+        n_layers=hf["num_hidden_layers"], n_heads=heads,
+        n_kv_heads=hf.get("num_key_value_heads") or heads,
+        head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+        d_ff=hf["intermediate_size"], rope_theta=float(hf.get("rope_theta", 10_000.0)),
+        qk_norm=kind != "llama", tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        norm_eps=float(hf["rms_norm_eps"]), padded_vocab_size=None, moe=moe)
+
+
+def _moe_from_hf(hf: dict, path, base: MoEConfig) -> MoEConfig:
+    """Qwen3-MoE's layer pattern as first_dense + every: layer i is MoE when it is
+    not in mlp_only_layers and (i + 1) % decoder_sparse_step == 0."""
+    n, step = hf["num_hidden_layers"], hf.get("decoder_sparse_step", 1)
+    dense = set(hf.get("mlp_only_layers") or [])
+    pattern = [i not in dense and (i + 1) % step == 0 for i in range(n)]
+    first = next((i for i, m in enumerate(pattern) if m), n)
+    moe = dataclasses.replace(
+        base, n_experts=hf["num_experts"], top_k=hf["num_experts_per_tok"],
+        d_ff=hf["moe_intermediate_size"], first_dense=first if step == 1 else 0, every=step,
+        normalize_top_k=bool(hf.get("norm_topk_prob", False)), scoring="softmax",
+        shared_d_ff=0)
+    cfg = GPTConfig(n_layers=n, moe=moe)
+    if list(cfg.moe_layers) != pattern:
+        raise HFError(f"{path}: mlp_only_layers={sorted(dense)} with decoder_sparse_step={step}"
+                      " is not a dense prefix followed by every step-th layer MoE")
+    return moe
+
+
+def config_to_hf(cfg: GPTConfig) -> dict:
+    """config.json for ``cfg``: Qwen3-MoE with experts, Qwen3 with QK-norm, else Llama."""
+    m = cfg.moe
+    kind = "qwen3_moe" if m.n_experts else "qwen3" if cfg.qk_norm else "llama"
+    if m.n_experts and (not cfg.qk_norm or m.shared_d_ff or m.scoring != "softmax"
+                        or m.bias_rate or (m.first_dense and m.every > 1)):
+        raise HFError("Qwen3-MoE needs qk_norm, softmax scoring and no shared expert, expert "
+                      "bias or first_dense with every > 1")
+    hf = {"architectures": [ARCHITECTURES[kind]], "model_type": kind,
+          "vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model,
+          "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
+          "num_key_value_heads": cfg.n_kv_heads, "head_dim": cfg.resolved_head_dim,
+          "intermediate_size": cfg.d_ff, "rope_theta": cfg.rope_theta,
+          "rms_norm_eps": cfg.norm_eps, "tie_word_embeddings": cfg.tie_embeddings,
+          "hidden_act": "silu", "initializer_range": cfg.init_std,
+          "max_position_embeddings": 4096, "attention_bias": False, "torch_dtype": "float32"}
+    if m.n_experts:
+        hf.update(num_experts=m.n_experts, num_experts_per_tok=m.top_k,
+                  moe_intermediate_size=m.d_ff, decoder_sparse_step=m.every,
+                  mlp_only_layers=list(range(m.first_dense)), norm_topk_prob=m.normalize_top_k)
+    return hf
+
+
+def _file(folder: Path, name: str) -> Path:
+    if not (folder / name).is_file():
+        raise HFError(f"{folder}: no {name} (a Hugging Face model folder has config.json "
+                      "and *.safetensors)")
+    return folder / name
+
+
+class _Tensors:
+    """The tensors of a folder's safetensors files, read by name, in fp32."""
+
+    def __init__(self, folder: Path):
+        from safetensors import safe_open
+        if (folder / _INDEX).is_file():
+            where = json.loads((folder / _INDEX).read_text())["weight_map"]
+        else:
+            where = dict.fromkeys(self._names(_file(folder, "model.safetensors")),
+                                  "model.safetensors")
+        self.files = {file: safe_open(_file(folder, file), framework="numpy")
+                      for file in sorted(set(where.values()))}
+        self.where, self.folder = where, folder
+        self.get = functools.lru_cache(maxsize=16)(self._read)
+
+    @staticmethod
+    def _names(file: Path) -> list[str]:
+        from safetensors import safe_open
+        return list(safe_open(file, framework="numpy").keys())
+
+    def _slice(self, name: str):
+        if name not in self.where:
+            raise HFError(f"{self.folder}: tensor {name} is missing")
+        return self.files[self.where[name]].get_slice(name)
+
+    def _read(self, name: str) -> np.ndarray:
+        return np.asarray(self._slice(name)[:], np.float32)
+
+    def rows(self, name: str, rows: slice) -> np.ndarray:
+        """Rows of a 2-D tensor, read from the file alone."""
+        return np.asarray(self._slice(name)[rows], np.float32)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._slice(name).get_shape())
+
+
+# Per stacked leaf: the block of one layer, from the tensors under `p`
+# ("model.layers.{i}.") and the index of the rest of the leaf's dims.
+def _qkv(t: _Tensors, p: str, cfg: GPTConfig) -> np.ndarray:
+    k, g, h = cfg.n_kv_heads, cfg.group_size, cfg.resolved_head_dim
+    q = t.get(p + "self_attn.q_proj.weight").reshape(k, g, h, -1)
+    kv = [t.get(p + f"self_attn.{n}_proj.weight").reshape(k, 1, h, -1) for n in "kv"]
+    return np.concatenate([q, *kv], axis=1).transpose(3, 0, 1, 2)       # [D, K, G+2, H]
+
+
+def _out(t, p, cfg):
+    return t.get(p + "self_attn.o_proj.weight").T.reshape(cfg.n_heads, -1, cfg.d_model)
+
+
+def _gate_up(t, p, prefix="mlp."):
+    return np.stack([t.get(p + prefix + f"{n}_proj.weight").T for n in ("gate", "up")], axis=1)
+
+
+_LAYER = {
+    "attn_norm": lambda t, p, cfg: t.get(p + "input_layernorm.weight"),
+    "mlp_norm": lambda t, p, cfg: t.get(p + "post_attention_layernorm.weight"),
+    "attn.qkv": _qkv,
+    "attn.out": _out,
+    "attn.q_norm": lambda t, p, cfg: t.get(p + "self_attn.q_norm.weight"),
+    "attn.k_norm": lambda t, p, cfg: t.get(p + "self_attn.k_norm.weight"),
+    "mlp.gate_up": lambda t, p, cfg: _gate_up(t, p),
+    "mlp.down": lambda t, p, cfg: t.get(p + "mlp.down_proj.weight").T,
+    "moe.router": lambda t, p, cfg: t.get(p + "mlp.gate.weight").T,
+}
+# Expert stacks [E, ...]: read only the experts a shard holds.
+_EXPERTS = {
+    "moe.gate_up": lambda t, p, e: _gate_up(t, p, f"mlp.experts.{e}."),
+    "moe.down": lambda t, p, e: t.get(p + f"mlp.experts.{e}.down_proj.weight").T,
+}
+
+
+def _key(path) -> str:
+    return ".".join(str(getattr(k, "key", k)) for k in path)
+
+
+def load(path: str | Path, mesh: jax.sharding.Mesh | None = None, rules: Rules = DEFAULT_RULES,
+         cfg: GPTConfig | None = None) -> GPT:
+    """The Hugging Face model in folder ``path`` as a jmegatron GPT, every parameter
+    born sharded on ``mesh`` under ``rules`` (one device when ``mesh`` is None).
+
+    Args:
+      path: a folder with config.json and safetensors files.
+      mesh, rules: where the parameters live (as for ``create_sharded``).
+      cfg: the config to build, from ``config_from_hf(path)`` with jmegatron-only
+        fields changed (``layer_group``, ``remat``, ``dtype``, ...); by default
+        ``config_from_hf(path).pad_vocab(tensor size)``.
+    """
+    folder = Path(path)
+    if cfg is None:
+        cfg = config_from_hf(folder).pad_vocab(mesh.shape.get("tensor", 1) if mesh else 1)
+    want = dataclasses.replace(config_from_hf(folder, base=cfg), padded_vocab_size=cfg.padded_vocab_size)
+    for field in dataclasses.fields(cfg):
+        if getattr(cfg, field.name) != getattr(want, field.name):
+            raise HFError(f"cfg.{field.name}={getattr(cfg, field.name)!r} differs from "
+                          f"{folder}'s {getattr(want, field.name)!r}")
+    tensors = _Tensors(folder)
+    _check_shapes(tensors, cfg)
+    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: GPT(cfg, nnx.Rngs(0))))
+    if mesh is None:
+        device = SingleDeviceSharding(jax.devices()[0])
+        shardings = jax.tree.map(lambda v: device, abstract,
+                                 is_leaf=lambda v: isinstance(v, nnx.Variable))
+    else:
+        shardings = state_shardings(abstract, mesh, rules)
+    is_var = lambda v: isinstance(v, nnx.Variable)
+
+    def build(path, var, sharding):
+        reader = _reader(_key(path), var, tensors, cfg)
+        return var.replace(jax.make_array_from_callback(var.shape, sharding, reader))
+
+    state = jax.tree.map_with_path(build, abstract, shardings, is_leaf=is_var)
+    return nnx.merge(graphdef, state)
+
+
+def _check_shapes(t: _Tensors, cfg: GPTConfig) -> None:
+    """Every layer-0 and top-level tensor has the shape the config says (one line
+    naming the first that does not)."""
+    d, h, v = cfg.d_model, cfg.resolved_head_dim, cfg.vocab_size
+    want = {"model.embed_tokens.weight": (v, d), "model.norm.weight": (d,)}
+    if not cfg.tie_embeddings:
+        want["lm_head.weight"] = (v, d)
+    p = "model.layers.0."
+    want |= {p + "self_attn.q_proj.weight": (cfg.n_heads * h, d),
+             p + "self_attn.k_proj.weight": (cfg.n_kv_heads * h, d),
+             p + "self_attn.o_proj.weight": (d, cfg.n_heads * h)}
+    mlp = (cfg.moe.d_ff, d) if cfg.moe_layers[0] else (cfg.d_ff, d)
+    want[p + ("mlp.experts.0.gate_proj.weight" if cfg.moe_layers[0] else "mlp.gate_proj.weight")] = mlp
+    for name, shape in want.items():
+        if t.shape(name) != shape:
+            raise HFError(f"{t.folder}: {name} has shape {t.shape(name)}, the config says {shape}")
+
+
+def _reader(key: str, var, t: _Tensors, cfg: GPTConfig):
+    """index -> the block of leaf ``key`` that a shard with that index holds."""
+    if key in ("embed", "head"):
+        def vocab_block(index):
+            rows = index[0 if key == "embed" else 1]
+            start, stop, _ = rows.indices(cfg.vocab)
+            real = t.rows("model.embed_tokens.weight" if key == "embed" or cfg.tie_embeddings
+                          else "lm_head.weight", slice(start, min(stop, cfg.vocab_size)))
+            block = np.zeros((stop - start, cfg.d_model), np.float32)
+            block[:len(real)] = real
+            return block[:, index[1]] if key == "embed" else block.T[index[0]]
+        return vocab_block
+    if key == "final_norm":
+        return lambda index: t.get("model.norm.weight")[index]
+    stack, leaf = key.split(".", 1)
+    moe = stack == "moe_blocks"
+    layers = [i for i, m in enumerate(cfg.moe_layers) if m == moe]   # stack slot -> HF layer
+    grouped = real_layers(var) is not None
+
+    def one_layer(slot: int, rest: tuple) -> np.ndarray:
+        p = f"model.layers.{layers[slot]}."
+        if leaf in _EXPERTS:
+            experts = range(*rest[0].indices(cfg.moe.n_experts))
+            return np.stack([_EXPERTS[leaf](t, p, e) for e in experts])[(slice(None), *rest[1:])]
+        if leaf == "moe.expert_bias":   # jmegatron's balancing bias starts at zero
+            return np.zeros(cfg.moe.n_experts, np.float32)[rest]
+        if leaf not in _LAYER:
+            raise HFError(f"jmegatron parameter {key} has no Hugging Face counterpart")
+        return _LAYER[leaf](t, p, cfg)[rest]
+
+    def stacked_block(index):
+        if not grouped:
+            return np.stack([one_layer(s, index[1:]) for s in range(*index[0].indices(len(layers)))])
+        g = var.shape[1]
+        groups, members = range(*index[0].indices(var.shape[0])), range(*index[1].indices(g))
+        rest = index[2:]
+        padding = np.broadcast_to(np.float32(0), var.shape[2:])[rest]   # the skipped slots
+        blocks = [[one_layer(G * g + j, rest) if G * g + j < len(layers) else padding
+                   for j in members] for G in groups]
+        return np.stack([np.stack(b) for b in blocks])
+    return stacked_block
+
+
+def save(model: GPT, path: str | Path, max_shard_bytes: int = 2 << 30) -> Path:
+    """Writes ``model`` as a Hugging Face folder (config.json, safetensors shards
+    of at most ``max_shard_bytes`` and their index) that
+    ``transformers.AutoModelForCausalLM.from_pretrained`` loads. Reads one layer's
+    block of each parameter at a time (one process: its devices must hold all)."""
+    from safetensors.numpy import save_file
+    cfg, out = model.cfg, Path(path)
+    hf = config_to_hf(cfg)
+    out.mkdir(parents=True, exist_ok=True)
+    state = nnx.state(model, nnx.Param)
+    leaves = {_key(p): v for p, v in jax.tree.leaves_with_path(
+        state, is_leaf=lambda v: isinstance(v, nnx.Variable))}
+    tensors = {name: np.ascontiguousarray(a) for name, a in _hf_tensors(leaves, cfg)}
+    shards, size = [{}], 0
+    for name, value in tensors.items():
+        if size and size + value.nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = value
+        size += value.nbytes
+    names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    if len(shards) == 1:
+        names = ["model.safetensors"]
+    for name, shard in zip(names, shards):
+        save_file(shard, out / name, metadata={"format": "pt"})
+    if len(shards) > 1:
+        index = {"metadata": {"total_size": sum(v.nbytes for v in tensors.values())},
+                 "weight_map": {k: n for n, s in zip(names, shards) for k in s}}
+        (out / _INDEX).write_text(json.dumps(index, indent=2))
+    (out / "config.json").write_text(json.dumps(hf, indent=2))
+    return out
+
+
+def _hf_tensors(leaves: dict, cfg: GPTConfig):
+    """(name, fp32 array) of every Hugging Face tensor, layer by layer."""
+    host = lambda a: np.asarray(jax.device_get(a), np.float32)
+    v, k, g = cfg.vocab_size, cfg.n_kv_heads, cfg.group_size
+    yield "model.embed_tokens.weight", host(leaves["embed"][...][:v])
+    yield "model.norm.weight", host(leaves["final_norm"][...])
+    if not cfg.tie_embeddings:
+        yield "lm_head.weight", host(leaves["head"][...][:, :v].T)
+    slots = {False: 0, True: 0}
+    for i, moe in enumerate(cfg.moe_layers):
+        stack, slot = "moe_blocks" if moe else "blocks", slots[moe]
+        slots[moe] += 1
+
+        def layer(leaf):
+            var = leaves[f"{stack}.{leaf}"]
+            if real_layers(var) is None:
+                return host(var[...][slot])
+            return host(var[...][slot // var.shape[1], slot % var.shape[1]])
+
+        p = f"model.layers.{i}."
+        yield p + "input_layernorm.weight", layer("attn_norm")
+        yield p + "post_attention_layernorm.weight", layer("mlp_norm")
+        qkv = layer("attn.qkv").transpose(1, 2, 3, 0)                  # [K, G+2, H, D]
+        yield p + "self_attn.q_proj.weight", qkv[:, :g].reshape(-1, cfg.d_model)
+        yield p + "self_attn.k_proj.weight", qkv[:, g].reshape(-1, cfg.d_model)
+        yield p + "self_attn.v_proj.weight", qkv[:, g + 1].reshape(-1, cfg.d_model)
+        yield p + "self_attn.o_proj.weight", layer("attn.out").reshape(-1, cfg.d_model).T
+        if cfg.qk_norm:
+            yield p + "self_attn.q_norm.weight", layer("attn.q_norm")
+            yield p + "self_attn.k_norm.weight", layer("attn.k_norm")
+        if moe:
+            yield p + "mlp.gate.weight", layer("moe.router").T
+            gate_up, down = layer("moe.gate_up"), layer("moe.down")
+            for e in range(cfg.moe.n_experts):
+                q = p + f"mlp.experts.{e}."
+                yield q + "gate_proj.weight", gate_up[e, :, 0].T
+                yield q + "up_proj.weight", gate_up[e, :, 1].T
+                yield q + "down_proj.weight", down[e].T
+        else:
+            gate_up = layer("mlp.gate_up")
+            yield p + "mlp.gate_proj.weight", gate_up[:, 0].T
+            yield p + "mlp.up_proj.weight", gate_up[:, 1].T
+            yield p + "mlp.down_proj.weight", layer("mlp.down").T

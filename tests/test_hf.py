@@ -1,0 +1,196 @@
+"""Hugging Face interop: tiny Llama, Qwen3 and Qwen3-MoE models made by transformers
+load into jmegatron (one device, tensor 2 x fsdp 2, owner layout) with transformers'
+logits, and export back after Muon steps with jmegatron's logits."""
+
+import dataclasses
+import json
+import shutil
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+import torch
+import transformers
+from flax import nnx
+from jax.sharding import NamedSharding
+
+from experiments import export_hf
+from jmegatron.models import cross_entropy, hf
+from jmegatron.optim import muon, trainable_params
+from jmegatron.sharding import DEFAULT_RULES, MeshConfig, activation_sharding, logical_to_spec, make_mesh
+from jmegatron.sharding.layouts import make_layout
+from jmegatron.train import TrainConfig, Trainer, plan_run
+from jmegatron.train.config import ConfigError
+
+VOCAB = 300
+COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+              num_attention_heads=4, num_key_value_heads=2)
+CONFIGS = {   # each family with what sets it apart
+    "llama": lambda: transformers.LlamaConfig(**COMMON, rope_theta=500.0, rms_norm_eps=1e-5),
+    "qwen3": lambda: transformers.Qwen3Config(**COMMON, head_dim=24, tie_word_embeddings=True),
+    "qwen3_moe": lambda: transformers.Qwen3MoeConfig(
+        **COMMON, head_dim=16, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
+        mlp_only_layers=[0], norm_topk_prob=True),
+}
+MESH = MeshConfig(data=1, fsdp=2, expert=1, tensor=2)
+
+
+def hf_logits(model, tokens) -> np.ndarray:
+    with torch.no_grad():
+        return model(torch.tensor(np.asarray(tokens))).logits.numpy()
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    """kind -> (folder, transformers model) of a random model with non-trivial norms."""
+    torch.manual_seed(0)
+    out = {}
+    for kind, make in CONFIGS.items():
+        model = transformers.AutoModelForCausalLM.from_config(
+            make(), attn_implementation="eager").eval()
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.05 * torch.randn_like(p))
+        folder = tmp_path_factory.mktemp(kind)
+        model.save_pretrained(folder)
+        out[kind] = folder, model
+    return out
+
+
+def jm_logits(model, tokens, mesh=None, rules=DEFAULT_RULES) -> np.ndarray:
+    if mesh is not None:
+        tokens = jax.device_put(tokens, NamedSharding(mesh, logical_to_spec(("batch", "seq"), rules)))
+
+    @jax.jit
+    def forward(model, tokens):
+        with activation_sharding(mesh, rules):
+            return model(tokens)
+    return np.asarray(forward(model, tokens))[..., :VOCAB]
+
+
+def tokens(length, seed=0, batch=2):
+    return jnp.asarray(np.random.default_rng(seed).integers(0, VOCAB, (batch, length)))
+
+
+@pytest.mark.parametrize("kind", CONFIGS)
+@pytest.mark.parametrize("where", ["one_device", "tensor2_fsdp2", "owner"])
+def test_loaded_logits_equal_transformers(folders, kind, where):
+    folder, reference = folders[kind]
+    mesh, rules, cfg = None, DEFAULT_RULES, None
+    if where != "one_device":
+        mesh = make_mesh(MESH, jax.devices()[:4])
+    if where == "owner":   # whole layers per fsdp rank, stacked [G, 2, ...]
+        layout = make_layout("owner", mesh.shape)
+        rules = layout.rules
+        cfg = dataclasses.replace(hf.config_from_hf(folder).pad_vocab(2),
+                                  layer_group=layout.layer_group)
+    model = hf.load(folder, mesh, rules, cfg=cfg)
+    if mesh is not None:   # born split: no device holds a whole projection
+        qkv = (model.moe_blocks if kind == "qwen3_moe" else model.blocks).attn.qkv[...]
+        assert qkv.addressable_shards[0].data.size < qkv.size
+    for length in (5, 16) if where != "owner" else (16,):
+        np.testing.assert_allclose(jm_logits(model, tokens(length), mesh, rules),
+                                   hf_logits(reference, tokens(length)), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", CONFIGS)
+def test_export_after_muon_steps_loads_in_transformers(folders, tmp_path, kind):
+    model = hf.load(folders[kind][0])
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    tx = muon(0.02)
+    batch = tokens(17, seed=1)
+
+    @jax.jit
+    def step(params, opt_state):
+        def loss(params):
+            logits = nnx.merge(graphdef, params, rest)(batch[:, :-1])
+            return cross_entropy(logits, batch[:, 1:], VOCAB)[0]
+        grads = jax.grad(loss)(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    opt_state = tx.init(trainable_params(params))
+    for _ in range(3):
+        params, opt_state = step(params, opt_state)
+    trained = nnx.merge(graphdef, params, rest)
+    out = hf.save(trained, tmp_path / "out", max_shard_bytes=200_000)   # several shards
+    assert (out / "model.safetensors.index.json").is_file()
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(
+        out, attn_implementation="eager").eval()
+    assert type(reloaded) is type(folders[kind][1])
+    ours = jm_logits(trained, tokens(9))
+    assert not np.allclose(ours, hf_logits(folders[kind][1], tokens(9)), atol=1e-3)   # it trained
+    np.testing.assert_allclose(hf_logits(reloaded, tokens(9)), ours, rtol=1e-4, atol=1e-5)
+    # And back: the sharded folder loads into the same parameters.
+    chex.assert_trees_all_equal(nnx.state(hf.load(out), nnx.Param), params)
+
+
+def edited(folder, tmp_path, **changes):
+    """A copy of ``folder`` whose config.json has ``changes``."""
+    copy = tmp_path / "edited"
+    shutil.copytree(folder, copy)
+    config = json.loads((copy / "config.json").read_text()) | changes
+    (copy / "config.json").write_text(json.dumps(config))
+    return copy
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"model_type": "gpt2"}, "model_type='gpt2' is not supported"),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_scaling=.* is not supported"),
+    ({"attention_bias": True}, "attention_bias=True is not supported"),
+    ({"hidden_act": "gelu"}, "hidden_act='gelu' is not supported"),
+    ({"intermediate_size": 80}, r"mlp.gate_proj.weight has shape \(96, 64\), the config says \(80, 64\)"),
+])
+def test_unsupported_or_mismatched_configs_are_refused_by_name(folders, tmp_path, changes, message):
+    with pytest.raises(hf.HFError, match=message):
+        hf.load(edited(folders["llama"][0], tmp_path, **changes))
+
+
+def test_missing_shard_and_missing_folder_are_named(folders, tmp_path):
+    folder = edited(folders["llama"][0], tmp_path)
+    weights = folder / "model.safetensors"
+    weights.rename(folder / "model-00001-of-00002.safetensors")
+    names = hf._Tensors._names(folder / "model-00001-of-00002.safetensors")
+    index = {"weight_map": {n: "model-00001-of-00002.safetensors" for n in names}
+             | {"lm_head.weight": "model-00002-of-00002.safetensors"}}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(hf.HFError, match="no model-00002-of-00002.safetensors"):
+        hf.load(folder)
+    with pytest.raises(hf.HFError, match="no config.json"):
+        hf.load(tmp_path / "nowhere")
+
+
+def test_training_starts_from_an_hf_folder_under_the_owner_layout(folders, tmp_path):
+    folder, reference = folders["llama"]
+    cfg = TrainConfig(init_from=f"hf:{folder}", layout="owner", steps=2, batch_size=8,
+                      seq_len=16, eval_every=2, eval_batches=1, sample_tokens=4,
+                      progress=False, out_dir=str(tmp_path), name="finetune")
+    trainer = Trainer(cfg)
+    assert trainer.model_cfg.d_model == 64 and trainer.model_cfg.layer_group == 2
+    start = nnx.merge(trainer.graphdef, trainer.state.params)
+    batch = tokens(16, batch=4)   # split over data x fsdp
+    np.testing.assert_allclose(jm_logits(start, batch, trainer.mesh, trainer.rules),
+                               hf_logits(reference, batch), rtol=1e-4, atol=1e-5)
+    summary = trainer.run()
+    assert summary["steps"] == 2 and np.isfinite(summary["train_loss"])
+    saved = json.loads((tmp_path / "finetune" / "config.json").read_text())
+    assert saved["config"]["init_from"] == f"hf:{folder}"
+    assert saved["config"]["model"]["d_ff"] == 96   # the folder's architecture, recorded
+    # The run's checkpoint exported by the CLI loads in transformers with the trained logits.
+    out = export_hf.main([str(tmp_path / "finetune" / "checkpoints" / "2"), str(tmp_path / "out")])
+    trained = nnx.merge(trainer.graphdef, trainer.state.params)
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(
+        out, attn_implementation="eager").eval()
+    ours = jm_logits(trained, batch, trainer.mesh, trainer.rules)
+    assert not np.allclose(ours, hf_logits(reference, batch), atol=1e-3)
+    np.testing.assert_allclose(hf_logits(reloaded, batch), ours, rtol=1e-4, atol=1e-5)
+
+
+def test_init_from_needs_the_hf_prefix_and_a_folder(tmp_path):
+    with pytest.raises(ConfigError, match="hf:PATH"):
+        TrainConfig(init_from=str(tmp_path))
+    with pytest.raises(hf.HFError, match="no config.json"):
+        plan_run(TrainConfig(init_from=f"hf:{tmp_path}", out_dir=str(tmp_path)))
