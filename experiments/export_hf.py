@@ -4,7 +4,8 @@
 
 OUT_DIR receives config.json and safetensors shards that
 ``transformers.AutoModelForCausalLM.from_pretrained(OUT_DIR)`` loads (Llama,
-Qwen3 with QK-norm, Qwen3-MoE with experts; see ``jmegatron.models.hf``). The
+Qwen3 with QK-norm, Qwen3-MoE with experts; see ``jmegatron.models.hf``), and
+the run's tokenizer files when it trained with a Hugging Face tokenizer. The
 checkpoint may come from any mesh and layout; it is read onto one device.
 """
 
@@ -12,12 +13,15 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
+import shutil
 import sys
 from pathlib import Path
 
 import jax
 from flax import nnx
 
+from jmegatron.data.tokenizer import HFTokenizer
 from jmegatron.models import GPT, GPTConfig, MoEConfig, hf
 from jmegatron.sharding import MeshConfig, make_mesh
 from jmegatron.sharding.layouts import make_layout
@@ -25,6 +29,9 @@ from jmegatron.train import TrainConfig, create_train_state
 from jmegatron.train.checkpoint import Checkpointer, CheckpointError, abstract_of, leaf_codecs
 from jmegatron.train.config import CheckpointConfig
 from jmegatron.train.optimizer import make_optimizer
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
 
 def run_config(meta: dict) -> TrainConfig:
@@ -57,7 +64,22 @@ def export(step_dir: str | Path, out_dir: str | Path) -> Path:
     state, _ = checkpointer.restore(int(step_dir.name), abstract_of(state),
                                     leaf_codecs(state, optimizer.plan))
     checkpointer.close()
-    return hf.save(nnx.merge(graphdef, state.params), out_dir)
+    out = hf.save(nnx.merge(graphdef, state.params), out_dir)
+    tok = tokenizer_of(cfg.data)
+    if tok is not None:   # the tokenizer files beside the weights, as transformers expects
+        for name in TOKENIZER_FILES:
+            if (tok.file.parent / name).is_file():
+                shutil.copyfile(tok.file.parent / name, out / name)
+    return out
+
+
+def tokenizer_of(data) -> HFTokenizer | None:
+    """The Hugging Face tokenizer a run trained with: --data.tokenizer, or the one
+    its token folder's meta.json names (None: bytes)."""
+    meta = Path(data.path or "").expanduser() / "meta.json"
+    path = data.tokenizer or (json.loads(meta.read_text()).get("tokenizer")
+                              if data.path and meta.is_file() else None)
+    return None if path in (None, "bytes") else HFTokenizer(path)
 
 
 def main(argv: list[str] | None = None) -> Path:

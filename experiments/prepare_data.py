@@ -4,7 +4,9 @@
 
 SOURCE is a folder or glob of UTF-8 text files, a single text file, or `stdlib`
 (the built-in corpus). OUT_DIR receives `train.bin` and `val.bin` (uint16 byte
-tokens, nanoGPT style) and `meta.json`; train on it with
+tokens, nanoGPT style; with `--tokenizer PATH`, a Hugging Face tokenizer.json or
+model folder, its ids, uint32 past 65,536) and `meta.json`, which names the
+tokenizer; train on it with
 `python -m experiments.train --data.path OUT_DIR`.
 """
 
@@ -18,13 +20,15 @@ from pathlib import Path
 from jmegatron.data import DataError, load_corpus, tokenizer
 
 
-def prepare(source: str | None, out_dir: str | Path, val_fraction: float = 0.05) -> Path:
-    corpus = load_corpus(source, val_fraction)
+def prepare(source: str | None, out_dir: str | Path, val_fraction: float = 0.05,
+            tokenizer_path: str | None = None) -> Path:
+    corpus = load_corpus(source, val_fraction, tokenizer_path)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    corpus.train.astype("uint16").tofile(out / "train.bin")
-    corpus.val.astype("uint16").tofile(out / "val.bin")
-    meta = {"dtype": "uint16", "vocab_size": tokenizer.VOCAB_SIZE, "tokenizer": "bytes",
+    dtype = tokenizer.token_dtype(corpus.vocab_size)
+    corpus.train.astype(dtype).tofile(out / "train.bin")
+    corpus.val.astype(dtype).tofile(out / "val.bin")
+    meta = {"dtype": dtype, "vocab_size": corpus.vocab_size, "tokenizer": corpus.tokenizer.name,
             "source": corpus.source, "train_tokens": len(corpus.train),
             "val_tokens": len(corpus.val)}
     (out / "meta.json").write_text(json.dumps(meta, indent=2))
@@ -37,10 +41,12 @@ def main(argv: list[str] | None = None) -> Path:
     parser.add_argument("source")
     parser.add_argument("out_dir")
     parser.add_argument("--val-fraction", type=float, default=0.05)
+    parser.add_argument("--tokenizer", default=None,
+                        help="a tokenizer.json or Hugging Face folder (default: bytes)")
     args = parser.parse_args(argv)
     try:
         out = prepare(None if args.source == "stdlib" else args.source, args.out_dir,
-                      args.val_fraction)
+                      args.val_fraction, args.tokenizer)
     except DataError as err:
         sys.exit(f"error: {err}")
     print(f"wrote {out}/train.bin, val.bin, meta.json")

@@ -17,12 +17,14 @@ import transformers
 from flax import nnx
 from jax.sharding import NamedSharding
 
-from experiments import export_hf
+from experiments import export_hf, prepare_data
+from jmegatron.data import stdlib_files
+from jmegatron.data.tokenizer import HFTokenizer
 from jmegatron.models import cross_entropy, hf
 from jmegatron.optim import muon, trainable_params
 from jmegatron.sharding import DEFAULT_RULES, MeshConfig, activation_sharding, logical_to_spec, make_mesh
 from jmegatron.sharding.layouts import make_layout
-from jmegatron.train import TrainConfig, Trainer, plan_run
+from jmegatron.train import DataConfig, TrainConfig, Trainer, plan_run
 from jmegatron.train.config import ConfigError
 
 VOCAB = 300
@@ -163,11 +165,49 @@ def test_missing_shard_and_missing_folder_are_named(folders, tmp_path):
         hf.load(tmp_path / "nowhere")
 
 
-def test_training_starts_from_an_hf_folder_under_the_owner_layout(folders, tmp_path):
+@pytest.fixture(scope="module")
+def bpe(tmp_path_factory):
+    """(tokenizer.json, a text file, a token folder) of a byte-level BPE with at most
+    VOCAB ids, trained on some stdlib sources and used by prepare_data."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    folder = tmp_path_factory.mktemp("bpe")
+    text = folder / "corpus.txt"
+    text.write_text("\n".join(f.read_text() for f in stdlib_files()[1][:40]))
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train([str(text)], trainers.BpeTrainer(
+        vocab_size=VOCAB, special_tokens=["<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.save(str(folder / "tokenizer.json"))
+    tokens = prepare_data.main([str(text), str(folder / "tokens"), "--tokenizer",
+                                str(folder / "tokenizer.json")])
+    return folder / "tokenizer.json", text, tokens
+
+
+def test_prepare_data_with_a_bpe_tokenizer(bpe):
+    tokenizer_file, text, tokens = bpe
+    meta = json.loads((tokens / "meta.json").read_text())
+    tok = HFTokenizer(tokenizer_file)
+    assert 256 < tok.vocab_size <= VOCAB and meta["vocab_size"] == tok.vocab_size
+    assert meta["tokenizer"] == str(tokenizer_file.resolve()) and meta["dtype"] == "uint16"
+    ids = np.fromfile(tokens / "train.bin", np.uint16)
+    assert len(ids) < 0.8 * len(text.read_bytes())   # merges: fewer ids than bytes
+    assert ids[-1] != tok.eos and tok.decode(ids[:200]) == text.read_text()[:len(tok.decode(ids[:200]))]
+    assert tok.decode(tok.encode("def f(x):\n    return x")) == "def f(x):\n    return x"
+    # Without --init-from, the model's vocabulary is the tokenizer's.
+    plan = plan_run(TrainConfig(data=DataConfig(path=str(text), tokenizer=str(tokenizer_file)),
+                                out_dir=str(tokens.parent / "runs")))
+    assert plan.model.vocab_size == tok.vocab_size and plan.corpus.tokenizer.eos == tok.eos
+
+
+def test_training_starts_from_an_hf_folder_under_the_owner_layout(folders, bpe, tmp_path):
     folder, reference = folders["llama"]
+    tokenizer_file, _, token_folder = bpe
     cfg = TrainConfig(init_from=f"hf:{folder}", layout="owner", steps=2, batch_size=8,
                       seq_len=16, eval_every=2, eval_batches=1, sample_tokens=4,
-                      progress=False, out_dir=str(tmp_path), name="finetune")
+                      progress=False, out_dir=str(tmp_path), name="finetune",
+                      data=DataConfig(path=str(token_folder)))   # BPE ids; meta.json names it
     trainer = Trainer(cfg)
     assert trainer.model_cfg.d_model == 64 and trainer.model_cfg.layer_group == 2
     start = nnx.merge(trainer.graphdef, trainer.state.params)
@@ -176,6 +216,10 @@ def test_training_starts_from_an_hf_folder_under_the_owner_layout(folders, tmp_p
                                hf_logits(reference, batch), rtol=1e-4, atol=1e-5)
     summary = trainer.run()
     assert summary["steps"] == 2 and np.isfinite(summary["train_loss"])
+    records = [json.loads(line) for line in
+               (tmp_path / "finetune" / "metrics.jsonl").read_text().splitlines()]
+    sample = [r["sample_greedy"] for r in records if "sample_greedy" in r][-1]
+    assert sample.startswith("def ") and len(sample) > len("def ")   # decoded by the BPE
     saved = json.loads((tmp_path / "finetune" / "config.json").read_text())
     assert saved["config"]["init_from"] == f"hf:{folder}"
     assert saved["config"]["model"]["d_ff"] == 96   # the folder's architecture, recorded
@@ -187,6 +231,7 @@ def test_training_starts_from_an_hf_folder_under_the_owner_layout(folders, tmp_p
     ours = jm_logits(trained, batch, trainer.mesh, trainer.rules)
     assert not np.allclose(ours, hf_logits(reference, batch), atol=1e-3)
     np.testing.assert_allclose(hf_logits(reloaded, batch), ours, rtol=1e-4, atol=1e-5)
+    assert (out / "tokenizer.json").read_text() == tokenizer_file.read_text()
 
 
 def test_init_from_needs_the_hf_prefix_and_a_folder(tmp_path):

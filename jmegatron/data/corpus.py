@@ -34,6 +34,8 @@ class Corpus:
     val: np.ndarray
     source: str
     vocab_size: int = tokenizer.VOCAB_SIZE
+    tokenizer: object = tokenizer.Bytes()
+    """What encoded it and decodes samples (``tokenizer.load_tokenizer``)."""
 
 
 def is_validation(relative_path: str, val_fraction: float) -> bool:
@@ -76,14 +78,15 @@ def _read_text(path: Path) -> str:
                         f"{err.object[err.start:err.start + 4]!r})") from None
 
 
-def tokenize_files(root: Path, files: list[Path], val_fraction: float) -> tuple[np.ndarray, np.ndarray]:
+def tokenize_files(root: Path, files: list[Path], val_fraction: float,
+                   tok=tokenizer.Bytes()) -> tuple[np.ndarray, np.ndarray]:
     """Token streams of the train and validation files (each document ends with EOS)."""
     splits: dict[bool, list[np.ndarray]] = {False: [], True: []}
     for path in files:
         text = _read_text(path)
         if text:
             val = is_validation(path.relative_to(root).as_posix(), val_fraction)
-            splits[val].append(tokenizer.encode(text, eos=True))
+            splits[val].append(tok.encode(text, eos=True))
     join = lambda parts: np.concatenate(parts) if parts else np.zeros(0, np.uint16)
     return join(splits[False]), join(splits[True])
 
@@ -94,9 +97,10 @@ def split_tail(tokens: np.ndarray, val_fraction: float) -> tuple[np.ndarray, np.
     return tokens[:cut], tokens[cut:]
 
 
-def load_token_files(path: Path, val_fraction: float) -> Corpus:
+def load_token_files(path: Path, val_fraction: float, tok=None) -> Corpus:
     """A folder with ``train.bin``/``val.bin`` (+ ``meta.json``), or one ``.bin`` file
-    whose last ``val_fraction`` becomes validation."""
+    whose last ``val_fraction`` becomes validation; decoded by ``tok``, by default
+    the tokenizer meta.json names."""
     folder = path if path.is_dir() else path.parent
     meta_path = folder / "meta.json"
     meta = json.loads(meta_path.read_text()) if meta_path.exists() else {}
@@ -104,26 +108,41 @@ def load_token_files(path: Path, val_fraction: float) -> Corpus:
     if dtype not in TOKEN_DTYPES:
         raise DataError(f"{meta_path}: dtype {dtype!r} is not one of {sorted(TOKEN_DTYPES)}")
     vocab = int(meta.get("vocab_size", tokenizer.VOCAB_SIZE))
+    if tok is None:
+        try:
+            tok = tokenizer.load_tokenizer(meta.get("tokenizer"))
+        except ValueError as err:
+            raise DataError(f"{meta_path}: {err} (give --data.tokenizer)") from None
+    if tok.vocab_size < vocab:
+        raise DataError(f"{meta_path}: vocab_size {vocab} is larger than tokenizer "
+                        f"{tok.name}'s {tok.vocab_size}")
     if path.is_dir():
         train = np.memmap(path / "train.bin", dtype=TOKEN_DTYPES[dtype], mode="r")
         val = np.memmap(path / "val.bin", dtype=TOKEN_DTYPES[dtype], mode="r")
     else:
         train, val = split_tail(np.memmap(path, dtype=TOKEN_DTYPES[dtype], mode="r"),
                                 val_fraction)
-    return Corpus(train, val, str(path), vocab)
+    return Corpus(train, val, str(path), vocab, tok)
 
 
-def load_corpus(path: str | None = None, val_fraction: float = 0.05) -> Corpus:
-    """The corpus at ``path``; ``None`` is the built-in Python stdlib corpus."""
+def load_corpus(path: str | None = None, val_fraction: float = 0.05,
+                tokenizer_path: str | None = None) -> Corpus:
+    """The corpus at ``path`` (``None``: the built-in Python stdlib corpus), text
+    encoded with the tokenizer at ``tokenizer_path`` (``None``: bytes; token
+    folders default to the one their meta.json names)."""
     if not 0 < val_fraction < 1:
         raise DataError(f"val_fraction={val_fraction} must lie strictly between 0 and 1")
+    try:
+        tok = tokenizer.load_tokenizer(tokenizer_path)
+    except ValueError as err:
+        raise DataError(str(err)) from None
     if path is not None:
         p = Path(path).expanduser()
         if (p.is_dir() and (p / "train.bin").exists()) or (p.is_file() and p.suffix == ".bin"):
-            corpus = load_token_files(p, val_fraction)
+            corpus = load_token_files(p, val_fraction, tok if tokenizer_path else None)
         elif p.is_file():
-            tokens = tokenizer.encode(_read_text(p), eos=True)
-            corpus = Corpus(*split_tail(tokens, val_fraction), source=path)
+            tokens = tok.encode(_read_text(p), eos=True)
+            corpus = Corpus(*split_tail(tokens, val_fraction), path, tok.vocab_size, tok)
         else:
             corpus = None
         if corpus is not None:
@@ -136,8 +155,8 @@ def load_corpus(path: str | None = None, val_fraction: float = 0.05) -> Corpus:
         source = f"python stdlib ({root})"
     if not files:
         raise DataError(f"no files found in corpus {source!r}")
-    train, val = tokenize_files(root, files, val_fraction)
-    corpus = Corpus(train, val, source)
+    train, val = tokenize_files(root, files, val_fraction, tok)
+    corpus = Corpus(train, val, source, tok.vocab_size, tok)
     _check_nonempty(corpus)
     return corpus
 

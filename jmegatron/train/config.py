@@ -47,6 +47,10 @@ class DataConfig:
     made by `python -m experiments.prepare_data`. Default: the Python stdlib sources."""
     val_fraction: float = 0.05
     """Share of files (or of the token stream) held out for validation."""
+    tokenizer: str | None = None
+    """A Hugging Face tokenizer.json or model folder that encodes the text and decodes
+    the samples; the model's vocab_size becomes its size (default: bytes; a token folder
+    uses the tokenizer its meta.json names)."""
 
     def __post_init__(self):
         require("data.val-fraction", self.val_fraction, 0 < self.val_fraction < 1,

@@ -17,7 +17,8 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from tqdm import tqdm
 
-from jmegatron.data import Corpus, eval_batch, load_corpus, make_batch, unigram_entropy
+from jmegatron.data import Corpus, DataError, eval_batch, load_corpus, make_batch, unigram_entropy
+from jmegatron.data.tokenizer import load_tokenizer
 from jmegatron.data.batches import require_window
 from jmegatron.models import GPT, GPTConfig, hf, qk_clipper, validate_sharding
 from jmegatron.sharding import MeshConfig, Rules, logical_to_spec, make_mesh
@@ -61,25 +62,36 @@ class Plan:
         return self.layout.rules
 
 
-def with_initial_model(cfg: TrainConfig) -> TrainConfig:
-    """``cfg`` with the architecture of its --init-from folder (as it is without one)."""
-    if not cfg.init_from:
+def resolve_model(cfg: TrainConfig) -> TrainConfig:
+    """``cfg`` with the architecture of its --init-from folder, or else the vocabulary
+    size of its --data.tokenizer (as it is without either)."""
+    if cfg.init_from:
+        model = hf.config_from_hf(cfg.init_from[3:], cfg.model)
+    elif cfg.data.tokenizer:
+        try:
+            size = load_tokenizer(cfg.data.tokenizer).vocab_size
+        except ValueError as err:
+            raise DataError(str(err)) from None
+        model = dataclasses.replace(cfg.model, vocab_size=size)
+    else:
         return cfg
     try:
-        return dataclasses.replace(cfg, model=hf.config_from_hf(cfg.init_from[3:], cfg.model))
-    except ConfigError as err:   # a setting the folder's model refuses (e.g. --qk-clip)
-        raise ValueError(f"{err} (with --init-from {cfg.init_from})") from None
+        return dataclasses.replace(cfg, model=model)
+    except ConfigError as err:   # a setting the new model refuses (e.g. --qk-clip)
+        source = (f"--init-from {cfg.init_from}" if cfg.init_from
+                  else f"--data.tokenizer {cfg.data.tokenizer}")
+        raise ValueError(f"{err} (with {source})") from None
 
 
 def plan_run(cfg: TrainConfig) -> Plan:
     """Resolves and checks mesh, corpus, model and batch; raises ValueError (or
     DataError) naming the numbers or path, before any compile."""
-    cfg = with_initial_model(cfg)
+    cfg = resolve_model(cfg)
     if cfg.resume and not cfg.name:
         raise ValueError("--resume continues the run folder out_dir/name: give --name "
                          "(or --resume-from PATH)")
     mesh = fit_mesh(cfg.mesh, jax.device_count(), shrink=cfg.fit_mesh)
-    corpus = load_corpus(cfg.data.path, cfg.data.val_fraction)
+    corpus = load_corpus(cfg.data.path, cfg.data.val_fraction, cfg.data.tokenizer)
     for split in ("train", "val"):
         require_window(len(getattr(corpus, split)), cfg.seq_len,
                        f"the {split} split of {corpus.source!r}")
@@ -109,7 +121,7 @@ class Trainer:
 
     def __init__(self, cfg: TrainConfig, plan: Plan | None = None, log=print,
                  resume_command: str | None = None):
-        cfg = with_initial_model(cfg)
+        cfg = resolve_model(cfg)
         plan = plan or plan_run(cfg)
         self.cfg, self.log = cfg, log if is_main() else (lambda *args, **kwargs: None)
         self.resume_command = resume_command or (
@@ -235,7 +247,8 @@ class Trainer:
     def samples(self, step: int) -> tuple[str, str]:
         c = self.cfg
         return sample_texts(self.sampler, self.state.params, c.sample_prompt, c.sample_tokens,
-                            c.seq_len, self.mesh, self.rules, c.seed + step)
+                            c.seq_len, self.mesh, self.rules, c.seed + step,
+                            self.corpus.tokenizer)
 
     def run(self) -> dict:
         """Trains up to ``cfg.steps`` steps and returns the summary."""

@@ -44,17 +44,18 @@ def make_sampler(graphdef: nnx.GraphDef, model_cfg: GPTConfig, mesh: jax.shardin
 
 
 def sample_texts(sampler, params, prompt: str, n_tokens: int, seq_len: int,
-                 mesh: jax.sharding.Mesh, rules: Rules, seed: int) -> tuple[str, str]:
-    """(greedy, top-k) continuations of ``prompt``."""
+                 mesh: jax.sharding.Mesh, rules: Rules, seed: int,
+                 tok=tokenizer.Bytes()) -> tuple[str, str]:
+    """(greedy, top-k) continuations of ``prompt``, encoded and decoded by ``tok``."""
     shards = axis_size(mesh, mesh_axes_of(ax.BATCH, rules))
     rows = shards * -(-2 // shards)          # at least 2 rows, whole data shards
     # Training documents are separated by EOS, so EOS is how a document begins.
-    prompt_ids = np.concatenate([[tokenizer.EOS], tokenizer.encode(prompt)])[-(seq_len - 1):]
+    prompt_ids = np.concatenate([[tok.eos], tok.encode(prompt)])[-(seq_len - 1):]
     end = min(len(prompt_ids) + n_tokens, seq_len)
-    window = np.full((rows, seq_len), tokenizer.PAD, np.int32)
+    window = np.full((rows, seq_len), tok.pad, np.int32)
     window[:, :len(prompt_ids)] = prompt_ids
     window = jax.device_put(window, NamedSharding(mesh, logical_to_spec((ax.BATCH, ax.SEQ), rules)))
     out = sampler(params, window, len(prompt_ids), end, jax.random.key(seed))
     out = multihost_utils.process_allgather(out, tiled=True)   # rows of every process
-    texts = [prompt + tokenizer.decode(row[len(prompt_ids):end]) for row in out[:2]]
+    texts = [prompt + tok.decode(row[len(prompt_ids):end]) for row in out[:2]]
     return texts[0], texts[-1]
