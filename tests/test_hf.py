@@ -1,4 +1,4 @@
-"""Hugging Face interop: tiny Llama, Qwen3 and Qwen3-MoE models made by transformers
+"""Hugging Face interop: tiny Llama, Qwen2, Qwen3 and Qwen3-MoE models made by transformers
 load into jmegatron (one device, tensor 2 x fsdp 2, owner layout) with transformers'
 logits, and export back after Muon steps with jmegatron's logits."""
 
@@ -31,7 +31,11 @@ VOCAB = 300
 COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
               num_attention_heads=4, num_key_value_heads=2)
 CONFIGS = {   # each family with what sets it apart
-    "llama": lambda: transformers.LlamaConfig(**COMMON, rope_theta=500.0, rms_norm_eps=1e-5),
+    "llama": lambda: transformers.LlamaConfig(   # Llama 3's RoPE scaling, in all three regimes
+        **COMMON, rope_theta=500.0, rms_norm_eps=1e-5, rope_scaling={
+            "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 16}),
+    "qwen2": lambda: transformers.Qwen2Config(**COMMON),   # a QKV bias
     "qwen3": lambda: transformers.Qwen3Config(**COMMON, head_dim=24, tie_word_embeddings=True),
     "qwen3_moe": lambda: transformers.Qwen3MoeConfig(
         **COMMON, head_dim=16, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
@@ -141,7 +145,7 @@ def edited(folder, tmp_path, **changes):
 
 @pytest.mark.parametrize("changes, message", [
     ({"model_type": "gpt2"}, "model_type='gpt2' is not supported"),
-    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_scaling=.* is not supported"),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_scaling=.*'yarn'.* is not supported"),
     ({"attention_bias": True}, "attention_bias=True is not supported"),
     ({"hidden_act": "gelu"}, "hidden_act='gelu' is not supported"),
     ({"intermediate_size": 80}, r"mlp.gate_proj.weight has shape \(96, 64\), the config says \(80, 64\)"),

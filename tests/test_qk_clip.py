@@ -13,7 +13,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 
 import helpers
-from jmegatron.models import GPT, GPTConfig, clip_scales, create_sharded, qk_clipper
+from jmegatron.models import GPT, GPTConfig, clip_scales, create_sharded, qk_clip, qk_clipper
 from jmegatron.models.layers import rms_norm, rope
 from jmegatron.sharding import (DEFAULT_RULES, MeshConfig, activation_sharding, hlo_collectives,
                                 logical_to_spec, make_mesh)
@@ -178,3 +178,18 @@ def test_the_clip_adds_no_collective_under_owner_and_tensor():
 def test_bad_settings_are_refused_in_one_line(args, message):
     with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("]", r"\]")):
         TrainConfig(**args)
+
+
+def test_a_qkv_bias_is_clipped_with_its_weight():
+    """Qwen2's q = x W_q + b_q: scaling W alone would miss tau; with the bias scaled
+    too, the clipped head lands on it exactly (one device, one layer)."""
+    cfg = dataclasses.replace(ONE_LAYER, qkv_bias=True)
+    model = GPT(cfg, nnx.Rngs(0))
+    bias = model.blocks.attn.qkv_bias
+    bias.set_value(jax.random.normal(jax.random.key(3), bias.shape))   # a real bias
+    params = boosted(nnx.state(model, nnx.Param))
+    before = reported_max(cfg, None, params, tokens()[:, :-1])[0]
+    tau = float(before[0]) / 2
+    after = reported_max(cfg, None, qk_clip(params, before[None], cfg, tau),
+                         tokens()[:, :-1])[0]
+    np.testing.assert_allclose(after[0], tau, rtol=1e-4)

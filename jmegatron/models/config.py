@@ -74,8 +74,13 @@ class GPTConfig:
     d_ff: int = 384
     """SwiGLU hidden width F."""
     rope_theta: float = 10_000.0
+    rope_scaling: tuple[float, ...] = ()
+    """Llama 3's RoPE frequency scaling (factor, low_freq_factor, high_freq_factor,
+    original context length); () for none."""
     qk_norm: bool = False
     """RMSNorm on queries and keys of each head (Qwen3)."""
+    qkv_bias: bool = False
+    """A bias on the query, key and value projections (Qwen2)."""
     tie_embeddings: bool = False
     """Use the embedding table as the output head."""
     norm_eps: float = 1e-6
@@ -100,6 +105,11 @@ class GPTConfig:
     """Mixture-of-experts layers (none by default)."""
 
     def __post_init__(self):
+        object.__setattr__(self, "rope_scaling", tuple(self.rope_scaling))   # JSON gives lists
+        if self.rope_scaling and (len(self.rope_scaling) != 4
+                                  or not 0 < self.rope_scaling[1] < self.rope_scaling[2]):
+            raise ValueError(f"rope_scaling={self.rope_scaling} must be (factor, low_freq_factor, "
+                             "high_freq_factor, original context) with low < high")
         if self.remat not in REMAT_POLICIES:
             raise ValueError(f"remat={self.remat!r}; choose one of {REMAT_POLICIES}")
         if self.n_heads % self.n_kv_heads:
@@ -172,7 +182,8 @@ class GPTConfig:
         """Number of parameters (the padded vocabulary included)."""
         d, f, h = self.d_model, self.d_ff, self.resolved_head_dim
         qkv = d * (self.n_heads + 2 * self.n_kv_heads) * h
-        block = qkv + self.n_heads * h * d + 2 * d + (2 * h if self.qk_norm else 0)
+        block = (qkv + self.n_heads * h * d + 2 * d + (2 * h if self.qk_norm else 0)
+                 + ((self.n_heads + 2 * self.n_kv_heads) * h if self.qkv_bias else 0))
         m = self.moe
         moe_mlp = (m.n_experts * 3 * d * m.d_ff + d * m.n_experts + 3 * d * m.shared_d_ff
                    + (m.n_experts if m.bias_rate else 0))

@@ -1,4 +1,4 @@
-"""Hugging Face checkpoints in and out: Llama, Qwen3 and Qwen3-MoE folders.
+"""Hugging Face checkpoints in and out: Llama, Qwen2, Qwen3 and Qwen3-MoE folders.
 
 A Hugging Face folder holds ``config.json`` and ``*.safetensors`` (one file, or
 shards named by ``model.safetensors.index.json``) with one tensor per
@@ -18,6 +18,7 @@ What maps to what (per layer i, ``model.layers.{i}.`` omitted):
     attn_norm, mlp_norm       input_layernorm, post_attention_layernorm
     attn.qkv [D, K, G+2, H]   self_attn.{q,k,v}_proj.weight, q rows as [K, G, H]
     attn.out [N, H, D]        self_attn.o_proj.weight^T
+    attn.qkv_bias [K, G+2, H] self_attn.{q,k,v}_proj.bias (Qwen2)
     attn.q_norm, k_norm       self_attn.{q,k}_norm.weight (Qwen3)
     mlp.gate_up [D, 2, F]     mlp.{gate,up}_proj.weight^T
     mlp.down [F, D]           mlp.down_proj.weight^T
@@ -43,12 +44,12 @@ from jmegatron.models.gpt import GPT, real_layers
 from jmegatron.models.sharded import state_shardings
 from jmegatron.sharding.rules import DEFAULT_RULES, Rules
 
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                 "qwen3_moe": "Qwen3MoeForCausalLM"}
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                 "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
 # Options that change the computation and that jmegatron does not have; each
 # must be absent or equal to the value here.
 _UNSUPPORTED = {"hidden_act": "silu", "attention_bias": False, "mlp_bias": False,
-                "use_sliding_window": False, "rope_scaling": None, "shared_expert_intermediate_size": 0}
+                "use_sliding_window": False, "shared_expert_intermediate_size": 0}
 _INDEX = "model.safetensors.index.json"
 
 
@@ -70,6 +71,10 @@ def config_from_hf(path: str | Path, base: GPTConfig = GPTConfig()) -> GPTConfig
             raise HFError(f"{path}: {field}={hf[field]!r} is not supported (jmegatron needs "
                           f"{ok!r})")
     heads = hf["num_attention_heads"]
+    scaling = hf.get("rope_scaling")
+    if scaling and scaling.get("rope_type", scaling.get("type")) != "llama3":
+        raise HFError(f"{path}: rope_scaling={scaling!r} is not supported (jmegatron has "
+                      "rope_type 'llama3' or none)")
     moe = _moe_from_hf(hf, path, base.moe) if kind == "qwen3_moe" else MoEConfig()
     return dataclasses.replace(
         base, vocab_size=hf["vocab_size"], d_model=hf["hidden_size"],
@@ -77,7 +82,10 @@ def config_from_hf(path: str | Path, base: GPTConfig = GPTConfig()) -> GPTConfig
         n_kv_heads=hf.get("num_key_value_heads") or heads,
         head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
         d_ff=hf["intermediate_size"], rope_theta=float(hf.get("rope_theta", 10_000.0)),
-        qk_norm=kind != "llama", tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        rope_scaling=(float(scaling["factor"]), float(scaling["low_freq_factor"]),
+                      float(scaling["high_freq_factor"]),
+                      int(scaling["original_max_position_embeddings"])) if scaling else (),
+        qk_norm=kind in ("qwen3", "qwen3_moe"), qkv_bias=kind == "qwen2", tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
         norm_eps=float(hf["rms_norm_eps"]), padded_vocab_size=None, moe=moe)
 
 
@@ -101,9 +109,13 @@ def _moe_from_hf(hf: dict, path, base: MoEConfig) -> MoEConfig:
 
 
 def config_to_hf(cfg: GPTConfig) -> dict:
-    """config.json for ``cfg``: Qwen3-MoE with experts, Qwen3 with QK-norm, else Llama."""
+    """config.json for ``cfg``: Qwen3-MoE with experts, Qwen3 with QK-norm, Qwen2 with
+    a QKV bias, else Llama."""
     m = cfg.moe
-    kind = "qwen3_moe" if m.n_experts else "qwen3" if cfg.qk_norm else "llama"
+    kind = ("qwen3_moe" if m.n_experts else "qwen3" if cfg.qk_norm
+            else "qwen2" if cfg.qkv_bias else "llama")
+    if cfg.qk_norm and cfg.qkv_bias:
+        raise HFError("no Hugging Face family here has both QK-norm and a QKV bias")
     if m.n_experts and (not cfg.qk_norm or m.shared_d_ff or m.scoring != "softmax"
                         or m.bias_rate or (m.first_dense and m.every > 1)):
         raise HFError("Qwen3-MoE needs qk_norm, softmax scoring and no shared expert, expert "
@@ -116,6 +128,11 @@ def config_to_hf(cfg: GPTConfig) -> dict:
           "rms_norm_eps": cfg.norm_eps, "tie_word_embeddings": cfg.tie_embeddings,
           "hidden_act": "silu", "initializer_range": cfg.init_std,
           "max_position_embeddings": 4096, "attention_bias": False, "torch_dtype": "float32"}
+    if cfg.rope_scaling:
+        factor, low, high, context = cfg.rope_scaling
+        hf["rope_scaling"] = {"rope_type": "llama3", "factor": factor, "low_freq_factor": low,
+                              "high_freq_factor": high,
+                              "original_max_position_embeddings": context}
     if m.n_experts:
         hf.update(num_experts=m.n_experts, num_experts_per_tok=m.top_k,
                   moe_intermediate_size=m.d_ff, decoder_sparse_step=m.every,
@@ -188,6 +205,10 @@ _LAYER = {
     "mlp_norm": lambda t, p, cfg: t.get(p + "post_attention_layernorm.weight"),
     "attn.qkv": _qkv,
     "attn.out": _out,
+    "attn.qkv_bias": lambda t, p, cfg: np.concatenate(
+        [t.get(p + "self_attn.q_proj.bias").reshape(cfg.n_kv_heads, cfg.group_size, -1)]
+        + [t.get(p + f"self_attn.{n}_proj.bias").reshape(cfg.n_kv_heads, 1, -1) for n in "kv"],
+        axis=1),                                                        # [K, G+2, H]
     "attn.q_norm": lambda t, p, cfg: t.get(p + "self_attn.q_norm.weight"),
     "attn.k_norm": lambda t, p, cfg: t.get(p + "self_attn.k_norm.weight"),
     "mlp.gate_up": lambda t, p, cfg: _gate_up(t, p),
@@ -365,6 +386,11 @@ def _hf_tensors(leaves: dict, cfg: GPTConfig):
         yield p + "self_attn.k_proj.weight", qkv[:, g].reshape(-1, cfg.d_model)
         yield p + "self_attn.v_proj.weight", qkv[:, g + 1].reshape(-1, cfg.d_model)
         yield p + "self_attn.o_proj.weight", layer("attn.out").reshape(-1, cfg.d_model).T
+        if cfg.qkv_bias:
+            bias = layer("attn.qkv_bias")                              # [K, G+2, H]
+            yield p + "self_attn.q_proj.bias", bias[:, :g].reshape(-1)
+            yield p + "self_attn.k_proj.bias", bias[:, g].reshape(-1)
+            yield p + "self_attn.v_proj.bias", bias[:, g + 1].reshape(-1)
         if cfg.qk_norm:
             yield p + "self_attn.q_norm.weight", layer("attn.q_norm")
             yield p + "self_attn.k_norm.weight", layer("attn.k_norm")

@@ -65,10 +65,23 @@ def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
     return (x32 * scale.astype(jnp.float32)).astype(x.dtype)
 
 
-def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
+def rope_frequencies(head_dim: int, theta: float, scaling: tuple = ()) -> jax.Array:
+    """RoPE's rotation frequencies [H/2]; with Llama 3's ``scaling`` (factor, low,
+    high, context), wavelengths past context/low are stretched by the factor, those
+    under context/high kept, and the ones between blended linearly in context/wavelength."""
+    half = head_dim // 2
+    freq = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    if not scaling:
+        return freq
+    factor, low, high, context = scaling
+    cycles = context * freq / (2 * jnp.pi)          # rotations over the original context
+    blend = jnp.clip((cycles - low) / (high - low), 0.0, 1.0)   # 0: stretch, 1: keep
+    return blend * freq + (1 - blend) * freq / factor
+
+
+def rope(x: jax.Array, positions: jax.Array, theta: float, scaling: tuple = ()) -> jax.Array:
     """Rotary position embedding (rotate-half form) on x [B, T, heads, H]."""
-    half = x.shape[-1] // 2
-    freq = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)   # [H/2]
+    freq = rope_frequencies(x.shape[-1], theta, scaling)            # [H/2]
     angle = positions[:, None].astype(jnp.float32) * freq            # [T, H/2]
     cos = jnp.cos(angle)[None, :, None, :]
     sin = jnp.sin(angle)[None, :, None, :]
@@ -117,6 +130,8 @@ class Attention(nnx.Module):
         out_std = cfg.init_std / (2 * cfg.n_layers) ** 0.5
         self.qkv = param(rngs, (d, k, g + 2, h), (ax.EMBED, ax.KV_HEADS, ax.QKV, ax.HEAD_DIM),
                          cfg.init_std)
+        if cfg.qkv_bias:   # starts at zero
+            self.qkv_bias = param(rngs, (k, g + 2, h), (ax.KV_HEADS, ax.QKV, ax.HEAD_DIM), 0.0)
         self.out = param(rngs, (cfg.n_heads, h, d), (ax.HEADS, ax.HEAD_DIM, ax.EMBED), out_std)
         if cfg.qk_norm:
             self.q_norm = param(rngs, (h,), (ax.NORM,), None)
@@ -127,6 +142,8 @@ class Attention(nnx.Module):
         cfg = self.cfg
         b, t, _ = x.shape
         qkv = jnp.einsum("btd,dkgh->btkgh", x, self.qkv[...].astype(x.dtype))
+        if cfg.qkv_bias:
+            qkv = qkv + self.qkv_bias[...].astype(x.dtype)
         qkv = constrain(qkv, (ax.BATCH, ax.SEQ, ax.ACT_KV_HEADS, None, None))
         g = cfg.group_size
         q = qkv[:, :, :, :g].reshape(b, t, cfg.n_heads, -1)   # [B, T, N, H]
@@ -134,7 +151,7 @@ class Attention(nnx.Module):
         if cfg.qk_norm:
             q = rms_norm(q, self.q_norm[...], cfg.norm_eps)
             k = rms_norm(k, self.k_norm[...], cfg.norm_eps)
-        q, k = rope(q, positions, cfg.rope_theta), rope(k, positions, cfg.rope_theta)
+        q, k = (rope(a, positions, cfg.rope_theta, cfg.rope_scaling) for a in (q, k))
         y, max_logit = causal_attention(q, k, v)                   # [B, T, N, H], [B, N]
         y = constrain(y, (ax.BATCH, ax.SEQ, ax.ACT_HEADS, None))
         return jnp.einsum("btnh,nhd->btd", y, self.out[...].astype(x.dtype)), max_logit

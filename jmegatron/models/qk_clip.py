@@ -23,7 +23,8 @@ shared rotary key, leaving it alone and putting the whole clip on the queries,
 is this rule at alpha = 1. Values are never scaled.
 
 The weights are the fused QKV weight [..., D, K, G + 2, H] of each stack (its
-G query slots, then the key, then the value); the scale is elementwise over
+G query slots, then the key, then the value), and its bias when the model has
+one (Qwen2), so each query and key scales whole; the scale is elementwise over
 its layer, head and slot axes, so it runs where each weight shard lives, under
 any layout and tensor split, with no communication.
 
@@ -47,6 +48,7 @@ from jmegatron.models.config import GPTConfig
 # Where the fused QKV weights sit in the model's params: (stack, is MoE).
 _STACKS = (("blocks", False), ("moe_blocks", True))
 _QKV = ("attn", "qkv")
+_QKV_BIAS = ("attn", "qkv_bias")   # [..., K, G + 2, H]: q = x W_q + b_q scales with both
 
 # clip(trained params, max_logit [L, N]) -> (params, {"qk_clipped_heads": count})
 Clip = Callable[[nnx.State, jax.Array], tuple[nnx.State, dict[str, jax.Array]]]
@@ -110,21 +112,23 @@ def qk_clip(params: nnx.State, max_logit: jax.Array, cfg: GPTConfig, tau: float,
 
     def clip(path, var):
         names = tuple(getattr(key, "key", None) for key in path)
-        if names[1:] != _QKV or names[0] not in scales:
+        if names[1:] not in (_QKV, _QKV_BIAS) or names[0] not in scales:
             return var
-        return var.replace(var[...] * _per_slot(scales[names[0]], var[...]))
+        embed_axes = int(names[1:] == _QKV)
+        return var.replace(var[...] * _per_slot(scales[names[0]], var[...], embed_axes))
 
     return jax.tree_util.tree_map_with_path(
         clip, params, is_leaf=lambda v: isinstance(v, nnx.Variable))
 
 
-def _per_slot(scale: jax.Array, weight: jax.Array) -> jax.Array:
-    """[L, K, G + 2] scales broadcast against a QKV weight [L, D, K, G + 2, H], or a
-    grouped one [G, g, D, K, G + 2, H] (padding layers get 1)."""
-    lead = weight.shape[:-4]                          # (L,) or (groups, g)
+def _per_slot(scale: jax.Array, weight: jax.Array, embed_axes: int = 1) -> jax.Array:
+    """[L, K, G + 2] scales broadcast against a QKV weight [L, D, K, G + 2, H] (or
+    its bias [L, K, G + 2, H]: ``embed_axes=0``), or a grouped one [G, g, ...]
+    (padding layers get 1)."""
+    lead = weight.shape[:-3 - embed_axes]             # (L,) or (groups, g)
     slots = math.prod(lead)
     scale = jnp.pad(scale, ((0, slots - scale.shape[0]), (0, 0), (0, 0)), constant_values=1.0)
-    return scale.reshape(*lead, 1, *scale.shape[1:], 1)
+    return scale.reshape(*lead, *(1,) * embed_axes, *scale.shape[1:], 1)
 
 
 def qk_clipper(cfg: GPTConfig, tau: float, alpha: float = 0.5) -> Clip:

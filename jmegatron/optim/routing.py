@@ -182,6 +182,8 @@ def _logical(opts, path, shape, logical) -> Route | None:
         return Route(ADAMW, "embedding or output head (vocab axis)")
     if ax.NORM in logical:
         return Route(ADAMW, "norm scale")
+    if ax.EMBED not in logical:
+        return Route(ADAMW, "bias (no embed axis)")
     batch = set(BATCH_AXES) | (set(HEAD_AXES) if opts.per_head else set())
     rest = [i for i, name in enumerate(logical) if name not in batch]
     if len(rest) < 2 or ax.EMBED not in (logical[rest[0]], logical[rest[-1]]):
