@@ -60,11 +60,11 @@ def export(step_dir: str | Path, out_dir: str | Path) -> Path:
     make_model = lambda: GPT(cfg.model.pad_vocab(1), nnx.Rngs(0))
     abstract = nnx.split(nnx.eval_shape(make_model))[1]
     optimizer = make_optimizer(cfg, abstract, mesh, make_layout("replicated", mesh.shape))
-    graphdef, state = create_train_state(make_model, optimizer.tx, optimizer.plan)
+    _, state = create_train_state(make_model, optimizer.tx, optimizer.plan)
     state, _ = checkpointer.restore(int(step_dir.name), abstract_of(state),
                                     leaf_codecs(state, optimizer.plan))
     checkpointer.close()
-    out = hf.save(nnx.merge(graphdef, state.params), out_dir)
+    out = hf.save(state.params, cfg.model, out_dir)
     tok = tokenizer_of(cfg.data)
     if tok is not None:   # the tokenizer files beside the weights, as transformers expects
         for name in TOKENIZER_FILES:

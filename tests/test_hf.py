@@ -2,6 +2,7 @@
 load into jmegatron (one device, tensor 2 x fsdp 2, owner layout) with transformers'
 logits, and export back after Muon steps with jmegatron's logits."""
 
+import copy
 import dataclasses
 import json
 import shutil
@@ -122,7 +123,7 @@ def test_export_after_muon_steps_loads_in_transformers(folders, tmp_path, kind):
     for _ in range(3):
         params, opt_state = step(params, opt_state)
     trained = nnx.merge(graphdef, params, rest)
-    out = hf.save(trained, tmp_path / "out", max_shard_bytes=200_000)   # several shards
+    out = hf.save(params, trained.cfg, tmp_path / "out", max_shard_bytes=200_000)   # shards
     assert (out / "model.safetensors.index.json").is_file()
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(
         out, attn_implementation="eager").eval()
@@ -132,6 +133,20 @@ def test_export_after_muon_steps_loads_in_transformers(folders, tmp_path, kind):
     np.testing.assert_allclose(hf_logits(reloaded, tokens(9)), ours, rtol=1e-4, atol=1e-5)
     # And back: the sharded folder loads into the same parameters.
     chex.assert_trees_all_equal(nnx.state(hf.load(out), nnx.Param), params)
+
+
+def test_a_bfloat16_checkpoint_loads(folders, tmp_path):
+    """Most published weights are bf16: read as stored, then widened to fp32."""
+    reference = folders["qwen3"][1]
+    copy.deepcopy(reference).to(torch.bfloat16).save_pretrained(tmp_path / "bf16")
+    rounded = copy.deepcopy(reference)   # fp32 with the bf16 weights (and fp32 RoPE buffers)
+    rounded.load_state_dict({k: v.to(torch.bfloat16).float()
+                             for k, v in reference.state_dict().items()})
+    model = hf.load(tmp_path / "bf16")
+    np.testing.assert_array_equal(model.embed[...][:VOCAB],
+                                  rounded.model.embed_tokens.weight.detach().numpy())
+    np.testing.assert_allclose(jm_logits(model, tokens(16)), hf_logits(rounded, tokens(16)),
+                               rtol=1e-4, atol=1e-5)
 
 
 def edited(folder, tmp_path, **changes):
@@ -159,7 +174,7 @@ def test_missing_shard_and_missing_folder_are_named(folders, tmp_path):
     folder = edited(folders["llama"][0], tmp_path)
     weights = folder / "model.safetensors"
     weights.rename(folder / "model-00001-of-00002.safetensors")
-    names = hf._Tensors._names(folder / "model-00001-of-00002.safetensors")
+    names = hf.tensor_names(folder / "model-00001-of-00002.safetensors")
     index = {"weight_map": {n: "model-00001-of-00002.safetensors" for n in names}
              | {"lm_head.weight": "model-00002-of-00002.safetensors"}}
     (folder / "model.safetensors.index.json").write_text(json.dumps(index))

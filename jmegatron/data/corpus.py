@@ -113,7 +113,7 @@ def load_token_files(path: Path, val_fraction: float, tok=None) -> Corpus:
             tok = tokenizer.load_tokenizer(meta.get("tokenizer"))
         except ValueError as err:
             raise DataError(f"{meta_path}: {err} (give --data.tokenizer)") from None
-    if tok.vocab_size < vocab:
+    if tok.name != "bytes" and tok.vocab_size < vocab:   # (bytes: ids of unknown origin)
         raise DataError(f"{meta_path}: vocab_size {vocab} is larger than tokenizer "
                         f"{tok.name}'s {tok.vocab_size}")
     if path.is_dir():

@@ -35,6 +35,7 @@ import json
 from pathlib import Path
 
 import jax
+import ml_dtypes
 import numpy as np
 from flax import nnx
 from jax.sharding import SingleDeviceSharding
@@ -147,44 +148,62 @@ def _file(folder: Path, name: str) -> Path:
     return folder / name
 
 
+# Stored dtypes read (safetensors' numpy reader has no bfloat16, which most
+# published checkpoints use; ml_dtypes, installed with jax, has).
+_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16}
+
+
+def tensor_names(file: Path) -> list[str]:
+    """The tensors a safetensors file holds."""
+    return list(_header(file)[0])
+
+
+def _header(file: Path) -> tuple[dict, int]:
+    """A safetensors file's header (name -> dtype, shape, data_offsets) and where its
+    data starts: an 8-byte little-endian length, then that much JSON."""
+    with open(file, "rb") as f:
+        size = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(size))
+    header.pop("__metadata__", None)
+    return header, 8 + size
+
+
 class _Tensors:
-    """The tensors of a folder's safetensors files, read by name, in fp32."""
+    """The tensors of a folder's safetensors files, memory-mapped by name and read
+    in fp32 (only the pages a read touches come from disk)."""
 
     def __init__(self, folder: Path):
-        from safetensors import safe_open
         if (folder / _INDEX).is_file():
-            where = json.loads((folder / _INDEX).read_text())["weight_map"]
+            files = set(json.loads((folder / _INDEX).read_text())["weight_map"].values())
         else:
-            where = dict.fromkeys(self._names(_file(folder, "model.safetensors")),
-                                  "model.safetensors")
-        self.files = {file: safe_open(_file(folder, file), framework="numpy")
-                      for file in sorted(set(where.values()))}
-        self.where, self.folder = where, folder
-        self.get = functools.lru_cache(maxsize=16)(self._read)
+            files = {_file(folder, "model.safetensors").name}
+        self.entries, self.folder = {}, folder
+        for file in sorted(files):
+            header, start = _header(_file(folder, file))
+            for name, entry in header.items():
+                self.entries[name] = (folder / file, entry["dtype"], tuple(entry["shape"]),
+                                      start + entry["data_offsets"][0])
+        self.get = functools.lru_cache(maxsize=16)(lambda name: self.rows(name, slice(None)))
 
-    @staticmethod
-    def _names(file: Path) -> list[str]:
-        from safetensors import safe_open
-        return list(safe_open(file, framework="numpy").keys())
-
-    def _slice(self, name: str):
-        if name not in self.where:
+    def _mapped(self, name: str) -> np.ndarray:
+        if name not in self.entries:
             raise HFError(f"{self.folder}: tensor {name} is missing")
-        return self.files[self.where[name]].get_slice(name)
-
-    def _read(self, name: str) -> np.ndarray:
-        return np.asarray(self._slice(name)[:], np.float32)
+        file, dtype, shape, offset = self.entries[name]
+        if dtype not in _DTYPES:
+            raise HFError(f"{self.folder}: tensor {name} has dtype {dtype}; readable: "
+                          f"{', '.join(_DTYPES)}")
+        return np.memmap(file, _DTYPES[dtype], mode="r", offset=offset, shape=shape)
 
     def rows(self, name: str, rows: slice) -> np.ndarray:
-        """Rows of a 2-D tensor, read from the file alone."""
-        return np.asarray(self._slice(name)[rows], np.float32)
+        """Rows of a tensor in fp32, read from the file alone."""
+        return np.asarray(self._mapped(name)[rows], np.float32)
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self._slice(name).get_shape())
+        return self._mapped(name).shape
 
 
-# Per stacked leaf: the block of one layer, from the tensors under `p`
-# ("model.layers.{i}.") and the index of the rest of the leaf's dims.
+# Per stacked leaf: one layer's value in jmegatron's layout, from the tensors
+# under `p` ("model.layers.{i}.").
 def _qkv(t: _Tensors, p: str, cfg: GPTConfig) -> np.ndarray:
     k, g, h = cfg.n_kv_heads, cfg.group_size, cfg.resolved_head_dim
     q = t.get(p + "self_attn.q_proj.weight").reshape(k, g, h, -1)
@@ -215,7 +234,7 @@ _LAYER = {
     "mlp.down": lambda t, p, cfg: t.get(p + "mlp.down_proj.weight").T,
     "moe.router": lambda t, p, cfg: t.get(p + "mlp.gate.weight").T,
 }
-# Expert stacks [E, ...]: read only the experts a shard holds.
+# Expert stacks [E, ...]: only the experts a shard holds are read.
 _EXPERTS = {
     "moe.gate_up": lambda t, p, e: _gate_up(t, p, f"mlp.experts.{e}."),
     "moe.down": lambda t, p, e: t.get(p + f"mlp.experts.{e}.down_proj.weight").T,
@@ -326,16 +345,18 @@ def _reader(key: str, var, t: _Tensors, cfg: GPTConfig):
     return stacked_block
 
 
-def save(model: GPT, path: str | Path, max_shard_bytes: int = 2 << 30) -> Path:
-    """Writes ``model`` as a Hugging Face folder (config.json, safetensors shards
-    of at most ``max_shard_bytes`` and their index) that
-    ``transformers.AutoModelForCausalLM.from_pretrained`` loads. Reads one layer's
-    block of each parameter at a time (one process: its devices must hold all)."""
+def save(params: nnx.State | GPT, cfg: GPTConfig, path: str | Path,
+         max_shard_bytes: int = 2 << 30) -> Path:
+    """Writes ``params`` (a GPT's state, or the GPT) of a model ``cfg`` as a Hugging
+    Face folder (config.json, safetensors shards of at most ``max_shard_bytes`` and
+    their index) that ``transformers.AutoModelForCausalLM.from_pretrained`` loads.
+    Reads one layer's block of each parameter at a time (one process: its devices
+    must hold all)."""
     from safetensors.numpy import save_file
-    cfg, out = model.cfg, Path(path)
+    out = Path(path)
     hf = config_to_hf(cfg)
     out.mkdir(parents=True, exist_ok=True)
-    state = nnx.state(model, nnx.Param)
+    state = params if isinstance(params, nnx.State) else nnx.state(params)
     leaves = {_key(p): v for p, v in jax.tree.leaves_with_path(
         state, is_leaf=lambda v: isinstance(v, nnx.Variable))}
     tensors = {name: np.ascontiguousarray(a) for name, a in _hf_tensors(leaves, cfg)}
