@@ -77,8 +77,8 @@ class HFTokenizer:
         self.pad = self.eos if self.pad is None else self.pad
 
     def encode(self, text: str, eos: bool = False) -> np.ndarray:
-        ids = self.tokenizer.encode(text, add_special_tokens=False).ids + ([self.eos] if eos else [])
-        return np.asarray(ids, np.uint32)
+        ids = self.tokenizer.encode(text, add_special_tokens=False).ids
+        return np.asarray(ids + ([self.eos] if eos else []), np.uint32)
 
     def decode(self, ids) -> str:
         return self.tokenizer.decode([int(i) for i in np.asarray(ids).ravel()],

@@ -86,7 +86,8 @@ def config_from_hf(path: str | Path, base: GPTConfig = GPTConfig()) -> GPTConfig
         rope_scaling=(float(scaling["factor"]), float(scaling["low_freq_factor"]),
                       float(scaling["high_freq_factor"]),
                       int(scaling["original_max_position_embeddings"])) if scaling else (),
-        qk_norm=kind in ("qwen3", "qwen3_moe"), qkv_bias=kind == "qwen2", tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        qk_norm=kind in ("qwen3", "qwen3_moe"), qkv_bias=kind == "qwen2",
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
         norm_eps=float(hf["rms_norm_eps"]), padded_vocab_size=None, moe=moe)
 
 
@@ -260,7 +261,8 @@ def load(path: str | Path, mesh: jax.sharding.Mesh | None = None, rules: Rules =
     folder = Path(path)
     if cfg is None:
         cfg = config_from_hf(folder).pad_vocab(mesh.shape.get("tensor", 1) if mesh else 1)
-    want = dataclasses.replace(config_from_hf(folder, base=cfg), padded_vocab_size=cfg.padded_vocab_size)
+    want = dataclasses.replace(config_from_hf(folder, base=cfg),
+                               padded_vocab_size=cfg.padded_vocab_size)
     for field in dataclasses.fields(cfg):
         if getattr(cfg, field.name) != getattr(want, field.name):
             raise HFError(f"cfg.{field.name}={getattr(cfg, field.name)!r} differs from "
@@ -295,8 +297,10 @@ def _check_shapes(t: _Tensors, cfg: GPTConfig) -> None:
     want |= {p + "self_attn.q_proj.weight": (cfg.n_heads * h, d),
              p + "self_attn.k_proj.weight": (cfg.n_kv_heads * h, d),
              p + "self_attn.o_proj.weight": (d, cfg.n_heads * h)}
-    mlp = (cfg.moe.d_ff, d) if cfg.moe_layers[0] else (cfg.d_ff, d)
-    want[p + ("mlp.experts.0.gate_proj.weight" if cfg.moe_layers[0] else "mlp.gate_proj.weight")] = mlp
+    if cfg.moe_layers[0]:
+        want[p + "mlp.experts.0.gate_proj.weight"] = (cfg.moe.d_ff, d)
+    else:
+        want[p + "mlp.gate_proj.weight"] = (cfg.d_ff, d)
     for name, shape in want.items():
         if t.shape(name) != shape:
             raise HFError(f"{t.folder}: {name} has shape {t.shape(name)}, the config says {shape}")
@@ -334,7 +338,8 @@ def _reader(key: str, var, t: _Tensors, cfg: GPTConfig):
 
     def stacked_block(index):
         if not grouped:
-            return np.stack([one_layer(s, index[1:]) for s in range(*index[0].indices(len(layers)))])
+            slots = range(*index[0].indices(len(layers)))
+            return np.stack([one_layer(s, index[1:]) for s in slots])
         g = var.shape[1]
         groups, members = range(*index[0].indices(var.shape[0])), range(*index[1].indices(g))
         rest = index[2:]
