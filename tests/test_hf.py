@@ -103,7 +103,8 @@ def test_loaded_logits_equal_transformers(folders, kind, where):
                                    hf_logits(reference, tokens(length)), rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("kind", CONFIGS)
+# Llama's export is checked through the CLI by the fine-tuning test below.
+@pytest.mark.parametrize("kind", [kind for kind in CONFIGS if kind != "llama"])
 def test_export_after_muon_steps_loads_in_transformers(folders, tmp_path, kind):
     model = hf.load(folders[kind][0])
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
