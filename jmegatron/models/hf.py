@@ -355,8 +355,8 @@ def save(params: nnx.State | GPT, cfg: GPTConfig, path: str | Path,
     """Writes ``params`` (a GPT's state, or the GPT) of a model ``cfg`` as a Hugging
     Face folder (config.json, safetensors shards of at most ``max_shard_bytes`` and
     their index) that ``transformers.AutoModelForCausalLM.from_pretrained`` loads.
-    Reads one layer's block of each parameter at a time (one process: its devices
-    must hold all)."""
+    Gathers the whole model onto this process's host before writing (one process:
+    its devices must hold all of it)."""
     from safetensors.numpy import save_file
     out = Path(path)
     hf = config_to_hf(cfg)
@@ -388,7 +388,7 @@ def save(params: nnx.State | GPT, cfg: GPTConfig, path: str | Path,
 def _hf_tensors(leaves: dict, cfg: GPTConfig):
     """(name, fp32 array) of every Hugging Face tensor, layer by layer."""
     host = lambda a: np.asarray(jax.device_get(a), np.float32)
-    v, k, g = cfg.vocab_size, cfg.n_kv_heads, cfg.group_size
+    v, g = cfg.vocab_size, cfg.group_size
     yield "model.embed_tokens.weight", host(leaves["embed"][...][:v])
     yield "model.norm.weight", host(leaves["final_norm"][...])
     if not cfg.tie_embeddings:
