@@ -11,39 +11,48 @@ REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
 
 @dataclasses.dataclass(frozen=True)
 class MoEConfig:
-    """Mixture-of-experts MLPs (Qwen3-MoE style); ``n_experts=0`` keeps every layer dense."""
+    """Mixture-of-experts MLPs (Qwen3-MoE style); ``n_experts=0`` keeps every layer dense.
+
+    Attributes:
+      n_experts: Routed experts E per MoE layer (0: a dense model).
+      top_k: Experts each token is routed to (k).
+      d_ff: Hidden width of each expert's SwiGLU.
+      shared_d_ff: Hidden width of a shared expert every token passes through (0: none).
+      first_dense: The first this many layers stay dense (DeepSeek's first_k_dense_replace).
+      every: Then every this-many-th layer is MoE, the rest dense (Qwen3's
+        decoder_sparse_step).
+      scoring: Router scores: softmax over experts (Qwen3) or per-expert sigmoid
+        (DeepSeek-V3).
+      normalize_top_k: Rescale the k chosen scores to sum to 1 (Qwen3's norm_topk_prob).
+      bias_rate: Auxiliary-loss-free balancing (DeepSeek-V3): a per-expert bias added to the
+        scores for the choice only, moved by this much per step against each expert's load
+        error (0: off).
+      dispatch: dropless: every routed token is computed (sort by expert, grouped matmul);
+        capacity: each expert takes at most capacity_factor * tokens * k / E per device, the
+        rest is dropped.
+      capacity_factor: Slots per expert relative to a perfectly even load (capacity
+        dispatch).
+      exchange: Token exchange between expert ranks: padded all_to_all (runs everywhere) or
+        ragged_all_to_all (moves only real tokens; GPU/TPU only, XLA:CPU cannot run it).
+      aux_loss: Weight of the load-balancing loss E * sum_i f_i P_i (Switch; 1 when
+        balanced).
+      z_loss: Weight of the router z-loss mean(logsumexp(router logits)^2) (ST-MoE).
+    """
 
     n_experts: int = 0
-    """Routed experts E per MoE layer (0: a dense model)."""
     top_k: int = 2
-    """Experts each token is routed to (k)."""
     d_ff: int = 128
-    """Hidden width of each expert's SwiGLU."""
     shared_d_ff: int = 0
-    """Hidden width of a shared expert every token passes through (0: none)."""
     first_dense: int = 0
-    """The first this many layers stay dense (DeepSeek's first_k_dense_replace)."""
     every: int = 1
-    """Then every this-many-th layer is MoE, the rest dense (Qwen3's decoder_sparse_step)."""
     scoring: Literal["softmax", "sigmoid"] = "softmax"
-    """Router scores: softmax over experts (Qwen3) or per-expert sigmoid (DeepSeek-V3)."""
     normalize_top_k: bool = True
-    """Rescale the k chosen scores to sum to 1 (Qwen3's norm_topk_prob)."""
     bias_rate: float = 0.0
-    """Auxiliary-loss-free balancing (DeepSeek-V3): a per-expert bias added to the scores for
-    the choice only, moved by this much per step against each expert's load error (0: off)."""
     dispatch: Literal["dropless", "capacity"] = "dropless"
-    """dropless: every routed token is computed (sort by expert, grouped matmul); capacity:
-    each expert takes at most capacity_factor * tokens * k / E per device, the rest is dropped."""
     capacity_factor: float = 1.25
-    """Slots per expert relative to a perfectly even load (capacity dispatch)."""
     exchange: Literal["padded", "ragged"] = "padded"
-    """Token exchange between expert ranks: padded all_to_all (runs everywhere) or
-    ragged_all_to_all (moves only real tokens; GPU/TPU only, XLA:CPU cannot run it)."""
     aux_loss: float = 0.01
-    """Weight of the load-balancing loss E * sum_i f_i P_i (Switch; 1 when balanced)."""
     z_loss: float = 0.001
-    """Weight of the router z-loss mean(logsumexp(router logits)^2) (ST-MoE)."""
 
     def __post_init__(self):
         if self.n_experts < 0 or (self.n_experts and not 1 <= self.top_k <= self.n_experts):
@@ -57,52 +66,63 @@ class MoEConfig:
 
 @dataclasses.dataclass(frozen=True)
 class GPTConfig:
-    """A pre-norm decoder: RMSNorm, RoPE, grouped-query attention, SwiGLU."""
+    """A pre-norm decoder: RMSNorm, RoPE, grouped-query attention, SwiGLU.
+
+    Attributes:
+      vocab_size: Token ids the data can hold (byte tokenizer: 256 bytes + BOS/EOS/PAD).
+      d_model: Model width D.
+      n_layers: Number of decoder blocks L.
+      n_heads: Query heads N.
+      n_kv_heads: Key/value heads K (grouped-query attention; N must be a multiple).
+      head_dim: Head width H (default d_model // n_heads).
+      d_ff: SwiGLU hidden width F.
+      rope_theta: RoPE's base: head dim pair i rotates at theta^(-2i/H) per position.
+      rope_scaling: Llama 3's RoPE frequency scaling (factor, low_freq_factor,
+        high_freq_factor, original context length); () for none.
+      qk_norm: RMSNorm on queries and keys of each head (Qwen3).
+      qkv_bias: A bias on the query, key and value projections (Qwen2).
+      tie_embeddings: Use the embedding table as the output head.
+      norm_eps: Added to the mean square in every RMSNorm.
+      init_std: Standard deviation of the normal initialization of the embedding, the
+        head, the input projections and the MoE router; the output projections (attention
+        out, MLP down) use init_std / sqrt(2 L). Norm scales start at 1, the QKV bias at 0.
+      dtype: Compute dtype of matmuls; parameters always stay fp32.
+      remat: Activation recomputation in the backward pass: none, full, dots, dots_no_batch.
+      vocab_multiple: The embedding table is padded to a multiple of this x tensor
+        (Megatron).
+      padded_vocab_size: Set by `pad_vocab` from vocab_multiple and the tensor size; leave
+        unset.
+      layer_group: Stack block weights as [G, g, ...], G = ceil(L / g), the last group
+        padded with zero layers the forward skips (set by the owner layout to the fsdp
+        size).
+      prefetch: Grouped dense stacks (owner layout): issue group i+1's all-gather before
+        group i runs, in both passes, so GPU/TPU schedulers can hide it; holds about three
+        more groups whole per device (XLA copies the carried group into the per-layer loop;
+        see jmegatron.sharding.prefetch).
+      moe: Mixture-of-experts layers (none by default).
+    """
 
     vocab_size: int = 259
-    """Token ids the data can hold (byte tokenizer: 256 bytes + BOS/EOS/PAD)."""
     d_model: int = 128
-    """Model width D."""
     n_layers: int = 2
-    """Number of decoder blocks L."""
     n_heads: int = 4
-    """Query heads N."""
     n_kv_heads: int = 2
-    """Key/value heads K (grouped-query attention; N must be a multiple)."""
     head_dim: int | None = None
-    """Head width H (default d_model // n_heads)."""
     d_ff: int = 384
-    """SwiGLU hidden width F."""
     rope_theta: float = 10_000.0
     rope_scaling: tuple[float, ...] = ()
-    """Llama 3's RoPE frequency scaling (factor, low_freq_factor, high_freq_factor,
-    original context length); () for none."""
     qk_norm: bool = False
-    """RMSNorm on queries and keys of each head (Qwen3)."""
     qkv_bias: bool = False
-    """A bias on the query, key and value projections (Qwen2)."""
     tie_embeddings: bool = False
-    """Use the embedding table as the output head."""
     norm_eps: float = 1e-6
     init_std: float = 0.02
     dtype: Literal["float32", "bfloat16"] = "float32"
-    """Compute dtype of matmuls; parameters always stay fp32."""
     remat: Literal["none", "full", "dots", "dots_no_batch"] = "none"
-    """Activation recomputation in the backward pass: none, full, dots, dots_no_batch."""
     vocab_multiple: int = 128
-    """The embedding table is padded to a multiple of this x tensor (Megatron)."""
     padded_vocab_size: int | None = None
-    """Set by `pad_vocab` from vocab_multiple and the tensor size; leave unset."""
     layer_group: int = 1
-    """Stack block weights as [G, g, ...], G = ceil(L / g), the last group padded with
-    zero layers the forward skips (set by the owner layout to the fsdp size)."""
     prefetch: bool = False
-    """Grouped dense stacks (owner layout): issue group i+1's all-gather before group
-    i runs, in both passes, so GPU/TPU schedulers can hide it; holds about three
-    more groups whole per device (XLA copies the carried group into the per-layer
-    loop; see jmegatron.sharding.prefetch)."""
     moe: MoEConfig = MoEConfig()
-    """Mixture-of-experts layers (none by default)."""
 
     def __post_init__(self):
         object.__setattr__(self, "rope_scaling", tuple(self.rope_scaling))   # JSON gives lists

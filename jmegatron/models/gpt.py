@@ -32,8 +32,19 @@ class Aux(NamedTuple):
 
 
 class GPT(nnx.Module):
-    """Decoder-only Transformer; every block weight is stacked as [L, ...] (dense and
-    MoE blocks in two stacks, ``blocks`` and ``moe_blocks``)."""
+    """Decoder-only Transformer; every block weight is stacked as [L, ...].
+
+    Dense and MoE blocks sit in two stacks, ``blocks`` and ``moe_blocks``, each
+    grouped [G, g, ...] when ``cfg.layer_group`` g > 1. The padded vocabulary
+    rows of the embedding and head start at zero (and stay there: the loss masks
+    them). ``create_sharded(lambda: GPT(cfg, nnx.Rngs(0)), mesh)`` builds it
+    sharded.
+
+    Args:
+      cfg: the model's ``GPTConfig``; its padded vocabulary (``cfg.vocab``) sizes
+        the embedding and head.
+      rngs: the random streams of the initialization (``rngs.params``).
+    """
 
     def __init__(self, cfg: GPTConfig, rngs: nnx.Rngs):
         self.cfg = cfg
@@ -62,8 +73,15 @@ class GPT(nnx.Module):
             zero_padding(self.head, cfg.vocab_size, axis=1)
 
     def __call__(self, tokens: jax.Array, return_aux: bool = False):
-        """Logits [B, T, V_padded] in fp32 for tokens [B, T]; with ``return_aux``,
-        (logits, ``Aux``)."""
+        """Logits [B, T, V_padded] in fp32 for tokens [B, T].
+
+        Args:
+          tokens: [B, T] token ids.
+          return_aux: also return the ``Aux`` (largest attention logits, MoE stats).
+
+        Returns:
+          The logits, or with ``return_aux`` (logits, ``Aux``).
+        """
         cfg = self.cfg
         x = embed_lookup(self.embed[...].astype(cfg.dtype), tokens)   # [B, T, D]
         positions = jnp.arange(tokens.shape[1])

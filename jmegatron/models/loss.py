@@ -21,7 +21,13 @@ _NEG = jnp.finfo(jnp.float32).min   # logit of a padded vocabulary entry
 
 
 class TokenLoss(NamedTuple):
-    """Per-token cross-entropy and log-partition (for the z-loss), both [B, T]."""
+    """Per-token cross-entropy and log-partition (for the z-loss), both [B, T].
+
+    Attributes:
+      nll: the cross-entropy log Z - logit[target], fp32.
+      log_z: the log-partition log Z, the logsumexp of the logits over the real
+        vocabulary, fp32.
+    """
 
     nll: jax.Array
     log_z: jax.Array
@@ -33,7 +39,17 @@ def _mask_padding(logits: jax.Array, first_id: jax.Array | int, vocab_size: int)
 
 
 def dense_token_loss(logits: jax.Array, targets: jax.Array, vocab_size: int) -> TokenLoss:
-    """Cross-entropy of logits [B, T, V_padded] (fp32) against targets [B, T]."""
+    """Cross-entropy of logits [B, T, V_padded] (fp32) against targets [B, T].
+
+    Args:
+      logits: [B, T, V_padded], any float dtype (computed in fp32).
+      targets: [B, T] token ids, each below ``vocab_size``.
+      vocab_size: the real vocabulary; logits of the padded ids past it are
+        masked out.
+
+    Returns:
+      The ``TokenLoss``.
+    """
     logits = _mask_padding(logits.astype(jnp.float32), 0, vocab_size)
     log_z = jax.nn.logsumexp(logits, axis=-1)
     target = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
@@ -42,7 +58,24 @@ def dense_token_loss(logits: jax.Array, targets: jax.Array, vocab_size: int) -> 
 
 def vocab_parallel_token_loss(logits: jax.Array, targets: jax.Array, vocab_size: int,
                               mesh: jax.sharding.Mesh, rules: Rules) -> TokenLoss:
-    """``dense_token_loss`` for logits sharded over the vocabulary."""
+    """``dense_token_loss`` for logits sharded over the vocabulary.
+
+    In ``jax.shard_map`` (module docstring); ``dense_token_loss`` when no mesh axis
+    of size > 1 splits the vocabulary.
+
+    Args:
+      logits: [B, T, V_padded], sharded as ``rules`` place (batch, seq,
+        act_vocab).
+      targets: [B, T] token ids, each below ``vocab_size``, sharded as (batch,
+        seq).
+      vocab_size: the real vocabulary; logits of the padded ids past it are
+        masked out.
+      mesh: the device mesh.
+      rules: the logical-to-mesh axis rules.
+
+    Returns:
+      The ``TokenLoss``, sharded as (batch, seq).
+    """
     logits_spec = logical_to_spec((ax.BATCH, ax.SEQ, ax.ACT_VOCAB), rules)
     token_spec = logical_to_spec((ax.BATCH, ax.SEQ), rules)
     # The axes the vocabulary is really split over in the spec (the batch takes precedence).
@@ -76,7 +109,22 @@ def cross_entropy(logits: jax.Array, targets: jax.Array, vocab_size: int, *,
     """Mean next-token loss (plus ``z_loss * log(Z)^2``, PaLM) over unmasked tokens.
 
     With ``mesh`` and ``rules`` given, the vocab-parallel form is used
-    whenever the vocabulary is sharded. Returns (loss, {"nll", "z_loss"}).
+    whenever the vocabulary is sharded.
+
+    Args:
+      logits: [B, T, V_padded], any float dtype (computed in fp32).
+      targets: [B, T] token ids, each below ``vocab_size``.
+      vocab_size: the real vocabulary; logits of the padded ids past it are
+        masked out.
+      mask: [B, T] token weights, 1 where a token counts and 0 where not (cast to
+        fp32); the means divide by max(sum of weights, 1). None: every token.
+      z_loss: the weight of the z-loss mean(log(Z)^2); 0: reported, not added.
+      mesh: the device mesh; with ``rules``, the vocab-parallel form. None: dense.
+      rules: the logical-to-mesh axis rules; None: dense.
+
+    Returns:
+      (loss, {"nll": the mean cross-entropy, "z_loss": the mean log(Z)^2, not
+      multiplied by ``z_loss``}).
     """
     if mesh is not None and rules is not None:
         per_token = vocab_parallel_token_loss(logits, targets, vocab_size, mesh, rules)

@@ -159,7 +159,16 @@ def _finish(sums: dict, cfg: MoEConfig) -> Stats:
 
 
 class MoE(nnx.Module):
-    """Router, E SwiGLU experts and an optional shared expert."""
+    """Router, E SwiGLU experts and an optional shared expert.
+
+    Called on x [B, T, D], it returns (output [B, T, D], this layer's stats).
+
+    Args:
+      cfg: the model's ``GPTConfig``; ``cfg.moe`` sizes the layer: router [D, E],
+        gate_up [E, D, 2, F], down [E, F, D], an ``ExpertBias`` [E] when
+        ``bias_rate`` is set and a shared SwiGLU when ``shared_d_ff`` is.
+      rngs: the random streams of the initialization.
+    """
 
     def __init__(self, cfg: GPTConfig, rngs: nnx.Rngs):
         m, d = cfg.moe, cfg.d_model
@@ -186,8 +195,15 @@ class MoE(nnx.Module):
 
 
 class MoEBlock(nnx.Module):
-    """Pre-norm decoder block whose MLP is a mixture of experts; returns (x, stats),
-    the MoE stats and the attention's largest logits ("max_logit" [B, N])."""
+    """Pre-norm decoder block whose MLP is a mixture of experts.
+
+    Called on (x [B, T, D], positions [T]), it returns (x, stats): the MoE stats
+    and the attention's largest logits ("max_logit" [B, N]).
+
+    Args:
+      cfg: the model's ``GPTConfig`` (``cfg.moe`` sizes the MoE).
+      rngs: the random streams of the initialization.
+    """
 
     def __init__(self, cfg: GPTConfig, rngs: nnx.Rngs):
         self.attn_norm = param(rngs, (cfg.d_model,), (ax.NORM,), None)
@@ -204,11 +220,21 @@ class MoEBlock(nnx.Module):
 
 
 def moe_losses(stats: Stats, cfg: MoEConfig) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """(weighted aux + z losses, metrics) from the model's stacked stats [L_moe, ...];
-    (0, {}) for a dense model. Metrics: moe_aux_loss, moe_z_loss (unweighted, means
-    over MoE layers), moe_load [L_moe, E] (share of routed tokens per expert),
-    moe_max_load (max_i E * load_i, mean over layers; 1 is balanced) and
-    moe_dropped (share of assignments dropped)."""
+    """The weighted MoE losses and their metrics, from the model's stacked stats.
+
+    Metrics: moe_aux_loss, moe_z_loss (unweighted, means over MoE layers),
+    moe_load [L_moe, E] (share of routed tokens per expert), moe_max_load
+    (max_i E * load_i, mean over layers; 1 is balanced) and moe_dropped (share of
+    assignments dropped).
+
+    Args:
+      stats: the forward's ``Aux.moe``, per-layer stats stacked [L_moe, ...];
+        {} for a dense model.
+      cfg: the ``MoEConfig``; its ``aux_loss`` and ``z_loss`` weigh the losses.
+
+    Returns:
+      (aux_loss * mean aux + z_loss * mean z, metrics); (0, {}) for a dense model.
+    """
     if not stats:
         return jnp.zeros((), jnp.float32), {}
     aux, z = stats["aux_loss"].mean(), stats["z_loss"].mean()
@@ -220,8 +246,22 @@ def moe_losses(stats: Stats, cfg: MoEConfig) -> tuple[jax.Array, dict[str, jax.A
 
 
 def balance_expert_bias(variables: nnx.State, metrics: dict[str, jax.Array]) -> nnx.State:
-    """``variables`` with each ExpertBias moved by rate * sign(1/E - load) (DeepSeek-V3:
-    an overloaded expert becomes less likely to be picked); unchanged without MoE."""
+    """``variables`` with each ExpertBias moved against its experts' load error.
+
+    Each moves by rate * sign(1/E - load), rate its ``MoEConfig.bias_rate``
+    (DeepSeek-V3: an overloaded expert becomes less likely to be picked);
+    unchanged without MoE.
+
+    Args:
+      variables: an nnx.State holding the model's ``ExpertBias`` variables (the
+        train step passes its part that is not trained); other variables pass
+        unchanged.
+      metrics: the step's metrics; their "moe_load" [L_moe, E] (``moe_losses``)
+        is the load. Without it nothing moves.
+
+    Returns:
+      ``variables`` with the biases moved.
+    """
     if "moe_load" not in metrics:
         return variables
     load = lax.stop_gradient(metrics["moe_load"])                        # [L_moe, E]

@@ -56,14 +56,19 @@ Clip = Callable[[nnx.State, jax.Array], tuple[nnx.State, dict[str, jax.Array]]]
 
 def clip_scales(max_logit: jax.Array, n_kv_heads: int, tau: float,
                 alpha: float = 0.5) -> tuple[jax.Array, jax.Array]:
-    """Per-layer scales of the query heads [L, N] and key heads [L, K] for the
-    largest logits ``max_logit`` [L, N] (query head n in key group n // (N/K)).
+    """Per-layer scales of the query heads [L, N] and the key heads [L, K].
+
+    The module docstring's rule, for the largest logits ``max_logit`` [L, N]
+    (query head n in key group n // (N/K)).
 
     Args:
       max_logit: the largest pre-softmax logit per layer and query head.
       n_kv_heads: key/value heads K.
       tau: the threshold (> 0).
       alpha: the share of each clip put on the queries (0..1).
+
+    Returns:
+      (eta^alpha [L, N], (min eta of each group)^(1 - alpha) [L, K]), all <= 1.
     """
     eta = jnp.where(max_logit > tau, tau / max_logit, 1.0)          # [L, N], <= 1
     layers, heads = max_logit.shape
@@ -82,9 +87,11 @@ def qkv_scale(max_logit: jax.Array, cfg: GPTConfig, tau: float, alpha: float) ->
 
 def qk_clip(params: nnx.State, max_logit: jax.Array, cfg: GPTConfig, tau: float,
             alpha: float = 0.5) -> nnx.State:
-    """``params`` (the model's, or its trained part) with every layer's QKV weight
-    clipped for the largest attention logits ``max_logit`` [L, N] (layers in model
-    order, as ``GPT(..., return_aux=True)`` reports them); other leaves unchanged.
+    """QK-clip: ``params`` with every layer's QKV weight clipped for its largest logits.
+
+    ``params`` is the model's, or its trained part; ``max_logit`` [L, N] has the
+    layers in model order, as ``GPT(..., return_aux=True)`` reports them. The QKV
+    bias scales with its weight; other leaves are unchanged.
 
     Call it after the optimizer update, with the logits of the step's forward,
     as ``make_train_step`` does with ``--qk-clip``.
@@ -96,6 +103,9 @@ def qk_clip(params: nnx.State, max_logit: jax.Array, cfg: GPTConfig, tau: float,
       cfg: the model's configuration.
       tau: the threshold (> 0).
       alpha: the share of each clip put on the queries (K2: 0.5).
+
+    Returns:
+      ``params`` with the QKV weights (and biases) rescaled.
     """
     scales = {}
     for stack, moe in _STACKS:
@@ -132,8 +142,18 @@ def _per_slot(scale: jax.Array, weight: jax.Array, embed_axes: int = 1) -> jax.A
 
 
 def qk_clipper(cfg: GPTConfig, tau: float, alpha: float = 0.5) -> Clip:
-    """The train step's QK-clip: (trained params, max_logit [L, N]) -> (params
-    clipped by ``qk_clip``, {"qk_clipped_heads": heads over tau})."""
+    """The train step's QK-clip, ``clip(trained params, max_logit [L, N])``.
+
+    Args:
+      cfg: the model's configuration; QK-norm (``cfg.qk_norm``) is refused, since
+        it undoes the rescaling.
+      tau: the threshold on the pre-softmax logits q . k / sqrt(H) (> 0).
+      alpha: the share of each clip put on the queries, in [0, 1] (K2: 0.5).
+
+    Returns:
+      ``clip``, giving (params clipped by ``qk_clip``, {"qk_clipped_heads": the
+      number of query heads over tau, summed over layers}).
+    """
     if cfg.qk_norm:
         raise ValueError("qk-clip rescales W_q and W_k, which QK-norm undoes (it normalizes "
                          "each query and key); use one or the other")

@@ -95,10 +95,48 @@ def scale_by_adaptive_muon(*, second_moment: SecondMoment = "adamuon", beta2: fl
                            layout: Layout | str | None = None, rules: Rules = DEFAULT_RULES,
                            syrk: bool | str = False, ns_method: NSMethod = "standard",
                            plan: ShardingPlan | None = None) -> optax.GradientTransformation:
-    """Adaptive Muon's direction for matrix leaves: EMA momentum (``g`` weighted
-    ``1 - beta``), Newton-Schulz, ``second_moment`` normalization (module
-    docstring), then ``update_scale(scale, ...)``. Newton-Schulz, ``mesh``,
-    ``layout`` and ``plan`` as for ``scale_by_muon``.
+    """Adaptive Muon's direction for matrix leaves: Muon's, normalized by a second moment.
+
+    EMA momentum (``g`` weighted ``1 - beta``), Newton-Schulz, ``second_moment``
+    normalization (module docstring), then ``update_scale(scale, ...)``.
+    Newton-Schulz, ``mesh``, ``layout`` and ``plan`` as for ``scale_by_muon``.
+
+    Args:
+      second_moment: "adamuon" (element-wise v), "normuon" (v per row or column)
+        or "namo" (one v per matrix, of the gradient's squared norm).
+      beta2: the second moment's decay.
+      eps: for "adamuon" and "namo" added to sqrt(v); for "normuon" the floor of v
+        and of the normalized update's norm.
+      beta: the momentum's decay.
+      nesterov: orthogonalize the Nesterov look-ahead ``beta * m + (1 - beta) * g``
+        instead of the momentum m.
+      coefficients: Newton-Schulz's per-iteration (a, b, c): a set's name, tuples or
+        a ``CoefficientSet`` (see ``coefficient_set``).
+      steps: Newton-Schulz iterations; None: the set's ``default_steps``.
+      scale: the multiplier of each normalized block (``update_scale``):
+        "spectral", "shape", "unit_rms" or "none".
+      rms_factor: a factor on ``scale``; None: 0.2 for "spectral", 1 for the others.
+      momentum_dtype: the dtype the momentum is stored in; None: the param's (the
+        second moment is fp32).
+      matmul_dtype: the dtype of Newton-Schulz's matmul operands.
+      routing: which leaves are matrices and how each splits into blocks
+        (``Routing``); every leaf this transformation sees must be a matrix.
+      tp_mode: Newton-Schulz of matrices split over the tensor axis (see
+        ``scale_by_muon``).
+      mesh: the device mesh; None: no ``shard_map``.
+      layout: a ``Layout`` or its name; None: "fsdp" (with a mesh).
+      rules: the logical-to-mesh axis rules a layout given by name (or None) is
+        built on.
+      syrk: Newton-Schulz's symmetric products on the SYRK kernel: False, True or a
+        backend name.
+      ns_method: "standard", "gram" or "auto" (see ``newton_schulz``).
+      plan: a ``ShardingPlan`` replacing ``routing``, ``mesh``, ``layout`` and
+        ``rules`` (see ``scale_by_muon``).
+
+    Returns:
+      An ``optax.GradientTransformation`` whose updates are the scaled normalized
+      directions, before the learning rate and sign; its state holds the
+      momentum and v (element-wise for "adamuon", per block otherwise).
 
     References:
       Si et al., "AdaMuon: Adaptive Muon Optimizer", arXiv:2507.11005, 2025.
@@ -153,10 +191,47 @@ def adaptive_muon(learning_rate: optax.ScalarOrSchedule, *,
                   rules: Rules = DEFAULT_RULES, syrk: bool | str = False,
                   ns_method: NSMethod = "standard", plan: ShardingPlan | None = None,
                   adamw: AdamW = AdamW()) -> optax.GradientTransformation:
-    """Adaptive Muon for hidden matrices, AdamW (``adamw``'s options) for the other
-    leaves: matrices get ``-lr * scale * normalized(NS(momentum))`` and weight decay
-    by ``weight_decay_method`` (``jmegatron.optim.matrix.descend``). "namo" refuses
-    "l2" decay (its v would see the decayed gradient, as Emerging-Optimizers says).
+    """Adaptive Muon for hidden matrices, AdamW for the other leaves.
+
+    Matrices get ``-lr * scale * normalized(NS(momentum))`` and weight decay by
+    ``weight_decay_method`` (``jmegatron.optim.matrix.descend``); the other leaves
+    get ``adamw``'s. "namo" refuses nonzero "l2" decay (its v would see the
+    decayed gradient, as Emerging-Optimizers says).
+
+    Args:
+      learning_rate: a number or an optax schedule of the step; also AdamW's
+        unless ``adamw.learning_rate`` is set.
+      second_moment: "adamuon", "normuon" or "namo" (see
+        ``scale_by_adaptive_muon``).
+      beta2: the second moment's decay.
+      eps: the second moment's epsilon (see ``scale_by_adaptive_muon``).
+      beta: the momentum's decay.
+      nesterov: orthogonalize the Nesterov look-ahead instead of the momentum.
+      coefficients: Newton-Schulz's coefficient set (see ``coefficient_set``).
+      steps: Newton-Schulz iterations; None: the set's ``default_steps``.
+      scale: the multiplier of each normalized block (``update_scale``).
+      rms_factor: a factor on ``scale``; None: 0.2 for "spectral", 1 for the others.
+      weight_decay: the matrices' weight decay coefficient (0: none); the other
+        leaves take ``adamw.weight_decay``.
+      weight_decay_method: "decoupled", "independent", "l2" or "palm" (see
+        ``descend``).
+      momentum_dtype: the dtype the momentum is stored in; None: the param's.
+      matmul_dtype: the dtype of Newton-Schulz's matmul operands.
+      routing: which leaves are matrices and how each splits into blocks.
+      tp_mode: Newton-Schulz of matrices split over the tensor axis.
+      mesh: the device mesh; None: no ``shard_map``.
+      layout: a ``Layout`` or its name; None: "fsdp" (with a mesh).
+      rules: the logical-to-mesh axis rules a layout given by name (or None) is
+        built on.
+      syrk: Newton-Schulz's symmetric products on the SYRK kernel.
+      ns_method: "standard", "gram" or "auto".
+      plan: a ``ShardingPlan`` replacing ``routing``, ``mesh``, ``layout`` and
+        ``rules``.
+      adamw: the AdamW of the other leaves (``AdamW``).
+
+    Returns:
+      An ``optax.GradientTransformation``: an ``optax.partition`` of the matrices
+      (label "adaptive_muon") and the AdamW leaves.
 
     References:
       Si et al., "AdaMuon", arXiv:2507.11005, 2025; Li et al., "NorMuon",

@@ -23,7 +23,18 @@ Coefficients = tuple[float, float, float]
 
 @dataclasses.dataclass(frozen=True)
 class CoefficientSet:
-    """Per-iteration coefficients, what follows the list, and the first-step scaling."""
+    """Per-iteration coefficients, what follows the list, and the first-step scaling.
+
+    Attributes:
+      name: the set's name (a key of ``COEFFICIENT_SETS``, or "custom").
+      steps: the (a, b, c) of successive iterations, each mapping a singular value
+        s to a s + b s^3 + c s^5.
+      after_list: what iterations past the list use: "repeat_last" (its last tuple
+        again, the default) or "cycle" (the list from its start).
+      default_steps: the iterations run when a caller passes ``steps=None``.
+      normalization: the scaling before the first iteration: "frobenius" (unit
+        Frobenius norm) or "aol" (then AOL row scaling, spectral norm <= 1).
+    """
 
     name: str
     steps: tuple[Coefficients, ...]
@@ -100,8 +111,21 @@ COEFFICIENT_SETS = {s.name: s for s in (
 
 def coefficient_set(coefficients: str | Coefficients | Sequence[Coefficients] | CoefficientSet
                     ) -> CoefficientSet:
-    """A set by name, one user tuple, or a user list (its last tuple repeats; build a
-    ``CoefficientSet(..., after_list="cycle")`` to cycle instead)."""
+    """The ``CoefficientSet`` that a ``coefficients=`` option names or lists.
+
+    Args:
+      coefficients: a name of ``COEFFICIENT_SETS`` ("simple", "quintic",
+        "polar_express", "cans", "aol", "deepseekv4", "cubic"), one (a, b, c)
+        tuple, a list (or [n, 3] array) of them, or a ``CoefficientSet``
+        (returned as it is). A user list's last tuple repeats; build a
+        ``CoefficientSet(..., after_list="cycle")`` to cycle instead.
+
+    Returns:
+      The set (user tuples as one named "custom", run with 5 default steps).
+
+    Raises:
+      ValueError: an unknown name, or tuples that are not of 3 numbers.
+    """
     if isinstance(coefficients, CoefficientSet):
         return coefficients
     if isinstance(coefficients, str):

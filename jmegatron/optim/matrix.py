@@ -43,8 +43,22 @@ UpdateStack = Callable[[jax.Array, tuple, jax.Array, LeafPlan], tuple[jax.Array,
 
 @dataclasses.dataclass(frozen=True)
 class AdamW:
-    """AdamW for the leaves a matrix optimizer does not take (embeddings, head,
-    norms, biases); ``learning_rate=None``: the matrix optimizer's."""
+    """AdamW for the leaves a matrix optimizer does not take.
+
+    Embeddings, the head, norms and biases (see ``Routing``) get ``optax.adamw``
+    with these options.
+
+    Attributes:
+      learning_rate: a number or an optax schedule of the step; None: the matrix
+        optimizer's.
+      b1: the first moment's decay.
+      b2: the second moment's decay (0.95, not optax's 0.999).
+      eps: added to sqrt(v) in the denominator.
+      weight_decay: the decoupled weight decay coefficient (``p -= lr * wd * p``;
+        0: none).
+      weight_decay_mask: ``optax.adamw``'s ``mask``: a tree of bools, or a function
+        of the params giving one, that says which leaves decay; None: all.
+    """
 
     learning_rate: optax.ScalarOrSchedule | None = None
     b1: float = 0.9
@@ -127,8 +141,22 @@ def scale_by_matrix_optimizer(who: str, state_type: type[NamedTuple], init_stack
                               update_stack: UpdateStack, source: PlanSource
                               ) -> optax.GradientTransformation:
     """The skeleton (see the module docstring) around one optimizer's math.
-    ``state_type`` is a NamedTuple ``(count, *fields)`` registered with
-    ``plan.matrix_state``."""
+
+    Args:
+      who: the transformation's name, for error messages.
+      state_type: the state, a NamedTuple ``(count, *fields)`` whose fields are
+        declared with ``matrix_state``.
+      init_stack: ``init_stack(x, leaf) -> fields``, a matrix leaf's initial
+        state fields (in ``state_type``'s order after ``count``).
+      update_stack: ``update_stack(g, fields, count, leaf) -> (direction, fields)``
+        for one matrix leaf; ``g`` is fp32 and ``count`` the step, 1 at the first
+        update.
+      source: where the plan comes from (``jmegatron.optim.matrix.PlanSource``:
+        the one given, or one made from each tree).
+
+    Returns:
+      An ``optax.GradientTransformation`` with state ``state_type``.
+    """
     forms = state_forms(state_type)
     names = state_type._fields[1:]
     kinds = tuple(forms[name] for name in names)
@@ -255,6 +283,19 @@ def descend(direction: optax.GradientTransformation, learning_rate: optax.Scalar
 
     ``decay(rate)`` adds ``rate * p`` to the updates after ``direction`` (``rate`` a
     number or a function of the step); SOAP's skips its basis-building first step.
+
+    Args:
+      direction: the transformation giving the update direction (e.g.
+        ``scale_by_muon``).
+      learning_rate: a number or an optax schedule of the step.
+      weight_decay: the decay coefficient wd (0: none).
+      method: "decoupled", "independent", "l2" or "palm" (above).
+      decay: ``decay(rate)`` builds the transformation that adds ``rate * p`` in
+        every method but "l2"; default ``add_decay`` (optax's
+        ``add_decayed_weights`` for a number).
+
+    Returns:
+      An ``optax.GradientTransformation`` whose updates are added to the params.
 
     References:
       Loshchilov & Hutter, "Decoupled Weight Decay Regularization",

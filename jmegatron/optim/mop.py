@@ -29,8 +29,17 @@ MopScale = Literal["nuclear_norm", "spectral", "shape", "unit_rms", "none"]
 
 
 def polar_factor(x: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """(U V^T, singular values) of every matrix of a stack [..., m, n] (fp32), by
-    thin SVD; a zero matrix gives zero (its singular vectors are arbitrary)."""
+    """The polar factor U V^T and the singular values of every matrix of a stack.
+
+    By thin SVD (on CPU one matrix at a time, see ``matrix.per_matrix``); a zero
+    matrix gives zero (its singular vectors are arbitrary).
+
+    Args:
+      x: a stack of matrices [..., m, n], fp32.
+
+    Returns:
+      (U V^T [..., m, n], singular values [..., min(m, n)], descending).
+    """
     u, s, vt = per_matrix(lambda a: jnp.linalg.svd(a, full_matrices=False), x)
     polar = jnp.matmul(u, vt, precision=jax.lax.Precision.HIGHEST)
     nonzero = jnp.max(s, axis=-1)[..., None, None] > 0
@@ -52,10 +61,35 @@ def scale_by_mop(*, beta: float = 0.95, nesterov: bool = False,
                  mesh: jax.sharding.Mesh | None = None, layout: Layout | str | None = None,
                  rules: Rules = DEFAULT_RULES, plan: ShardingPlan | None = None
                  ) -> optax.GradientTransformation:
-    """MOP's direction for matrix leaves: EMA momentum (``g`` weighted ``1 - beta``,
-    Nesterov optional) and each block's exact polar factor, scaled by its nuclear
-    norm (``scale="nuclear_norm"``, times ``rms_factor`` if given) or by Muon's
-    ``update_scale``. ``mesh``, ``layout`` and ``plan`` as for ``scale_by_muon``.
+    """MOP's direction for matrix leaves: momentum, then each block's exact polar factor.
+
+    EMA momentum (``g`` weighted ``1 - beta``, Nesterov optional) and each block's
+    polar factor by SVD, scaled by its nuclear norm (``scale="nuclear_norm"``,
+    times ``rms_factor`` if given) or by Muon's ``update_scale``. ``mesh``,
+    ``layout`` and ``plan`` as for ``scale_by_muon``; there is no tensor-parallel
+    mode: a matrix split over the tensor axis is gathered (module docstring).
+
+    Args:
+      beta: the momentum's decay.
+      nesterov: decompose the Nesterov look-ahead ``beta * m + (1 - beta) * g``
+        instead of the momentum m.
+      scale: "nuclear_norm" (the block's sum of singular values, PolarGrad's), or
+        one of ``update_scale``'s modes: "spectral", "shape", "unit_rms", "none".
+      rms_factor: a factor on the scale; None: 1 for "nuclear_norm", else
+        ``update_scale``'s default (0.2 for "spectral").
+      momentum_dtype: the dtype the momentum is stored in; None: the param's.
+      routing: which leaves are matrices and how each splits into blocks
+        (``Routing``); every leaf this transformation sees must be a matrix.
+      mesh: the device mesh; None: no ``shard_map``.
+      layout: a ``Layout`` or its name; None: "fsdp" (with a mesh).
+      rules: the logical-to-mesh axis rules a layout given by name (or None) is
+        built on.
+      plan: a ``ShardingPlan`` replacing ``routing``, ``mesh``, ``layout`` and
+        ``rules`` (see ``scale_by_muon``).
+
+    Returns:
+      An ``optax.GradientTransformation`` (state ``MuonState``) whose updates are
+      the scaled polar factors, before the learning rate and sign.
 
     References:
       Lau, Long & Su, "PolarGrad: A Class of Matrix-Gradient Optimizers from a
@@ -89,10 +123,39 @@ def mop(learning_rate: optax.ScalarOrSchedule, *, beta: float = 0.95, nesterov: 
         mesh: jax.sharding.Mesh | None = None, layout: Layout | str | None = None,
         rules: Rules = DEFAULT_RULES, plan: ShardingPlan | None = None,
         adamw: AdamW = AdamW()) -> optax.GradientTransformation:
-    """MOP for hidden matrices, AdamW (``adamw``'s options) for every other leaf:
-    matrices get ``-lr * scale * polar(momentum)`` and weight decay by
-    ``weight_decay_method`` (``jmegatron.optim.matrix.descend``). Defaults are
-    Emerging-Optimizers' (no Nesterov, nuclear-norm scale, decoupled decay 0.01).
+    """MOP for hidden matrices, AdamW for every other leaf.
+
+    Matrices get ``-lr * scale * polar(momentum)`` and weight decay by
+    ``weight_decay_method`` (``jmegatron.optim.matrix.descend``); the other leaves
+    get ``adamw``'s. Defaults are Emerging-Optimizers' (no Nesterov, nuclear-norm
+    scale, decoupled decay 0.01).
+
+    Args:
+      learning_rate: a number or an optax schedule of the step; also AdamW's
+        unless ``adamw.learning_rate`` is set.
+      beta: the momentum's decay.
+      nesterov: decompose the Nesterov look-ahead instead of the momentum.
+      scale: "nuclear_norm", "spectral", "shape", "unit_rms" or "none" (see
+        ``scale_by_mop``).
+      rms_factor: a factor on the scale; None: 1 for "nuclear_norm", else
+        ``update_scale``'s default.
+      weight_decay: the matrices' weight decay coefficient (0: none); the other
+        leaves take ``adamw.weight_decay``.
+      weight_decay_method: "decoupled", "independent", "l2" or "palm" (see
+        ``descend``).
+      momentum_dtype: the dtype the momentum is stored in; None: the param's.
+      routing: which leaves are matrices and how each splits into blocks.
+      mesh: the device mesh; None: no ``shard_map``.
+      layout: a ``Layout`` or its name; None: "fsdp" (with a mesh).
+      rules: the logical-to-mesh axis rules a layout given by name (or None) is
+        built on.
+      plan: a ``ShardingPlan`` replacing ``routing``, ``mesh``, ``layout`` and
+        ``rules``.
+      adamw: the AdamW of the other leaves (``AdamW``).
+
+    Returns:
+      An ``optax.GradientTransformation``: an ``optax.partition`` of the matrices
+      (label "mop") and the AdamW leaves.
 
     References:
       Lau, Long & Su, "PolarGrad", arXiv:2505.21799, 2025.
@@ -106,9 +169,20 @@ def mop(learning_rate: optax.ScalarOrSchedule, *, beta: float = 0.95, nesterov: 
 
 
 def mop_flops(params, routing: Routing = Routing()) -> int:
-    """Textbook FLOPs of one MOP step on ``params``: per p x q block (p <= q) a thin
-    R-SVD, 6 q p^2 + 20 p^3 (Golub & Van Loan, table 8.6.1), and the product
-    U V^T, 2 q p^2. LAPACK's divide-and-conquer differs by a constant factor."""
+    """Textbook FLOPs of one MOP step on ``params``.
+
+    Per p x q block (p <= q) a thin R-SVD, 6 q p^2 + 20 p^3 (Golub & Van Loan,
+    table 8.6.1), and the product U V^T, 2 q p^2. LAPACK's divide-and-conquer
+    differs by a constant factor.
+
+    Args:
+      params: the params tree (real or abstract arrays, or an nnx.State; only the
+        shapes and logical axes are read).
+      routing: which leaves are matrices, as for ``mop``.
+
+    Returns:
+      The FLOPs, an int.
+    """
     total = 0
     for piece in matrix_pieces(params, routing):
         p, q = sorted((piece.fan_in, piece.fan_out))

@@ -25,6 +25,14 @@ MOONLIGHT_RMS = 0.2   # spectral x 0.2 gives updates with AdamW's typical RMS
 
 @matrix_state(momentum=HELD)
 class MuonState(NamedTuple):
+    """The state of ``scale_by_muon`` (and of ``scale_by_mop``).
+
+    Attributes:
+      count: the steps taken, an int32 scalar.
+      momentum: the momentum, a tree mirroring the params; each matrix leaf held as
+        its owners hold it (the stack padded under layerwise), in ``momentum_dtype``.
+    """
+
     count: jax.Array              # int32 scalar
     momentum: optax.Updates       # mirrors the params, each held as its owners hold it
 
@@ -37,6 +45,19 @@ def update_scale(mode: ScaleMode, fan_in: int, fan_out: int,
     fan_in)) (Keller Jordan's Muon); unit_rms: sqrt(fan_out / fan_in) (unit
     RMS-to-RMS operator norm); none: 1. Times ``rms_factor``, by default 0.2
     for spectral (Moonlight: AdamW's update RMS) and 1 for the others.
+
+    Args:
+      mode: "spectral", "shape", "unit_rms" or "none" (above).
+      fan_in: the matrix's input dim (rows of jmegatron's [fan_in, fan_out]).
+      fan_out: the matrix's output dim.
+      rms_factor: a factor on top; None: ``MOONLIGHT_RMS`` (0.2) for "spectral",
+        1 for the others.
+
+    Returns:
+      The multiplier, a float.
+
+    References:
+      Liu et al., "Muon is Scalable for LLM Training", arXiv:2502.16982, 2025.
     """
     if rms_factor is None:
         rms_factor = MOONLIGHT_RMS if mode == "spectral" else 1.0
@@ -127,11 +148,52 @@ def scale_by_muon(*, coefficients: str | CoefficientSet | tuple = "quintic",
     and which device orthogonalizes it (see ``jmegatron.optim.placement``);
     ``plan`` (``jmegatron.optim.plan.make_plan``) gives all of that at once
     and replaces ``routing``, ``mesh``, ``layout`` and ``rules``. Matrices split
-    over the tensor axis use ``tp_mode`` (duplicated, distributed, blockwise,
-    or auto per matrix; see ``jmegatron.optim.tensor_parallel``). ``syrk`` runs
+    over the tensor axis use ``tp_mode`` (duplicated, distributed, gathered,
+    blockwise, or auto per matrix; see ``jmegatron.optim.tensor_parallel``). ``syrk`` runs
     Newton-Schulz's symmetric products on the SYRK kernel (see
     ``newton_schulz``), in every mode; ``ns_method`` "gram" iterates on the short
     side's Gram, "auto" wherever that saves FLOPs (``newton_schulz``).
+
+    Args:
+      coefficients: Newton-Schulz's per-iteration (a, b, c): a set's name, tuples or
+        a ``CoefficientSet`` (see ``coefficient_set``).
+      steps: Newton-Schulz iterations; None: the set's ``default_steps``.
+      beta: the momentum's decay.
+      nesterov: orthogonalize the Nesterov look-ahead (``beta * m + (1 - beta) * g``
+        for "ema", ``g + beta * m`` for "sum") instead of the momentum m.
+      momentum: "ema" (``m <- beta * m + (1 - beta) * g``) or "sum"
+        (``m <- beta * m + g``).
+      bias_correction: divide the EMA by ``1 - beta^t`` ("ema" only). Newton-Schulz
+        ignores the input's scale, so this changes only the Nesterov mix of m and g.
+      momentum_dtype: the dtype the momentum is stored in; None: the param's. It
+        is updated in fp32.
+      scale: the multiplier of each orthogonalized block (``update_scale``):
+        "spectral" (unit RMS, times ``rms_factor``), "shape", "unit_rms" or "none".
+      rms_factor: a factor on ``scale``; None: 0.2 for "spectral" (Moonlight), 1
+        for the others.
+      matmul_dtype: the dtype of Newton-Schulz's matmul operands ("float32", or
+        "bfloat16" with fp32 accumulation).
+      routing: which leaves are matrices and how each splits into blocks
+        (``Routing``); every leaf this transformation sees must be a matrix.
+      tp_mode: Newton-Schulz of matrices split over the tensor axis:
+        "duplicated", "distributed", "gathered", "blockwise" or "auto" (per
+        matrix, by ``TPCostModel``); used only with a mesh.
+      mesh: the device mesh; None: no ``shard_map`` (arrays as XLA places them).
+      layout: where the state lives and which device orthogonalizes each matrix:
+        a ``Layout`` or "replicated", "layerwise", "fsdp" or "owner"; None:
+        "fsdp". Used only with a mesh.
+      rules: the logical-to-mesh axis rules a layout given by name (or None) is
+        built on.
+      syrk: Newton-Schulz's symmetric products on the SYRK kernel: False, True or a
+        backend name (see ``newton_schulz``).
+      ns_method: "standard", "gram" or "auto" (see ``newton_schulz``).
+      plan: a ``ShardingPlan`` (``make_plan``) that replaces ``routing``, ``mesh``,
+        ``layout`` and ``rules``; needed when the updates carry no logical axes.
+        None: a plan is made from each tree the transformation sees.
+
+    Returns:
+      An ``optax.GradientTransformation`` (state ``MuonState``) whose updates are
+      the scaled orthogonalized directions, before the learning rate and sign.
 
     References:
       Jordan et al., "Muon: An optimizer for hidden layers in neural
@@ -173,14 +235,54 @@ def muon(learning_rate: optax.ScalarOrSchedule, *,
          rules: Rules = DEFAULT_RULES, syrk: bool | str = False, ns_method: NSMethod = "standard",
          plan: ShardingPlan | None = None, adamw: AdamW = AdamW()
          ) -> optax.GradientTransformation:
-    """Muon for hidden matrices, AdamW (``adamw``'s options) for every other leaf
-    (see ``routing``; ``plan`` as for ``scale_by_muon``).
+    """Muon for hidden matrices, AdamW for every other leaf.
 
-    Matrices get ``-lr * scale * NS(momentum)`` and weight decay by
-    ``weight_decay_method`` (default decoupled: ``- lr * weight_decay * W``; see
-    ``jmegatron.optim.matrix.descend``); with the default spectral scale x 0.2
-    (Moonlight), one learning rate suits both groups. ``describe(params, routing)``
-    prints who gets what.
+    ``routing`` (or ``plan``) decides which leaves are matrices. Matrices get
+    ``-lr * scale * NS(momentum)`` and weight decay by ``weight_decay_method``
+    (default decoupled: ``- lr * weight_decay * W``; see
+    ``jmegatron.optim.matrix.descend``); the other leaves get ``adamw``'s. With
+    the default spectral scale x 0.2 (Moonlight), one learning rate suits both
+    groups. ``describe(params, routing)`` prints who gets what.
+
+    Args:
+      learning_rate: a number or an optax schedule of the step; also AdamW's
+        unless ``adamw.learning_rate`` is set.
+      coefficients: Newton-Schulz's per-iteration (a, b, c): a set's name, tuples or
+        a ``CoefficientSet`` (see ``coefficient_set``).
+      steps: Newton-Schulz iterations; None: the set's ``default_steps``.
+      beta: the momentum's decay.
+      nesterov: orthogonalize the Nesterov look-ahead instead of the momentum.
+      momentum: "ema" (``m <- beta * m + (1 - beta) * g``) or "sum"
+        (``m <- beta * m + g``).
+      bias_correction: divide the EMA by ``1 - beta^t`` ("ema" only).
+      momentum_dtype: the dtype the momentum is stored in; None: the param's.
+      scale: the multiplier of each orthogonalized block (``update_scale``):
+        "spectral", "shape", "unit_rms" or "none".
+      rms_factor: a factor on ``scale``; None: 0.2 for "spectral", 1 for the others.
+      weight_decay: the matrices' weight decay coefficient (0: none); the other
+        leaves take ``adamw.weight_decay``.
+      weight_decay_method: "decoupled", "independent", "l2" or "palm" (see
+        ``descend``).
+      matmul_dtype: the dtype of Newton-Schulz's matmul operands.
+      routing: which leaves are matrices and how each splits into blocks
+        (``Routing``).
+      tp_mode: Newton-Schulz of matrices split over the tensor axis (see
+        ``scale_by_muon``).
+      mesh: the device mesh; None: no ``shard_map``.
+      layout: a ``Layout`` or its name; None: "fsdp" (with a mesh).
+      rules: the logical-to-mesh axis rules a layout given by name (or None) is
+        built on.
+      syrk: Newton-Schulz's symmetric products on the SYRK kernel: False, True or a
+        backend name.
+      ns_method: "standard", "gram" or "auto" (see ``newton_schulz``).
+      plan: a ``ShardingPlan`` replacing ``routing``, ``mesh``, ``layout`` and
+        ``rules`` (see ``scale_by_muon``).
+      adamw: the AdamW of the other leaves (``AdamW``: b1 0.9, b2 0.95, eps 1e-8,
+        no weight decay by default).
+
+    Returns:
+      An ``optax.GradientTransformation``: an ``optax.partition`` of the matrices
+      (label "muon") and the AdamW leaves.
 
     References:
       Jordan et al., "Muon: An optimizer for hidden layers in neural
@@ -200,8 +302,22 @@ def muon(learning_rate: optax.ScalarOrSchedule, *,
 def muon_flops(params, routing: Routing = Routing(), steps: int | None = None,
                coefficients: str | CoefficientSet | tuple = "quintic", syrk: bool = False,
                ns_method: NSMethod = "standard") -> int:
-    """Newton-Schulz FLOPs of one Muon step on ``params`` (``syrk``: counted from
-    the SYRK kernel's tiles; ``ns_method`` as run; see ``ns_flops``)."""
+    """Newton-Schulz FLOPs of one Muon step on ``params``.
+
+    Every matrix block is counted whole, by ``ns_flops``, on one device.
+
+    Args:
+      params: the params tree (real or abstract arrays, or an nnx.State; only the
+        shapes and logical axes are read).
+      routing: which leaves are matrices, as for ``muon``.
+      steps: Newton-Schulz iterations; None: the set's ``default_steps``.
+      coefficients: the coefficient set (only its default step count is read).
+      syrk: count the symmetric products as the SYRK kernel's tiles.
+      ns_method: "standard", "gram" or "auto", as run.
+
+    Returns:
+      The FLOPs, an int.
+    """
     n = coefficient_set(coefficients).default_steps if steps is None else steps
     return sum(p.count * ns_flops(p.fan_in, p.fan_out, n, syrk, ns_method)
                for p in matrix_pieces(params, routing))

@@ -214,6 +214,25 @@ def newton_schulz(x: jax.Array, *, steps: int | None = None,
     256 x 8192): at most 0.063 on every named set, 1.5-3x standard bf16's own
     error, and max |s - 1| at most 0.05 above standard bf16's.
 
+    Args:
+      x: a matrix or a stack of matrices [..., m, n], any float dtype.
+      steps: the number of iterations; None: the coefficient set's
+        ``default_steps`` (5 for "quintic").
+      coefficients: the per-iteration (a, b, c): a set's name, tuples or a
+        ``CoefficientSet`` (see ``coefficient_set``).
+      matmul_dtype: the dtype matmul operands are cast to (accumulation is
+        fp32); X itself stays fp32.
+      syrk: False: plain matmuls; True: the SYRK kernel where it saves FLOPs,
+        on the "auto" backend; a backend name ("pallas", "interpret", "jnp")
+        picks one.
+      method: "standard", "gram" (iterate on the short side's Gram) or "auto"
+        (gram exactly where it does fewer FLOPs).
+      restart: for the Gram method, the iterations between re-forming X and
+        its Gram (>= 1; default ``GRAM_RESTART``, 2).
+
+    Returns:
+      The orthogonalized x, fp32, of x's shape (zero where x is zero).
+
     References:
       Jordan et al., "Muon: An optimizer for hidden layers in neural
         networks", 2024 (kellerjordan.github.io/posts/muon).
@@ -288,6 +307,17 @@ def ns_flops(m: int, n: int, steps: int, syrk: bool = False, method: NSMethod = 
     the plain product's FLOPs, else the plain product. About steps * (3 p^2 q
     + p^3) for standard and large p (only the lower triangle, but whole
     diagonal tiles and padded rows); never more than without ``syrk``.
+
+    Args:
+      m: rows of the matrix (only min(m, n) and max(m, n) matter).
+      n: columns of the matrix.
+      steps: the number of Newton-Schulz iterations.
+      syrk: whether the symmetric products run on the SYRK kernel.
+      method: "standard", "gram" or "auto" (resolved by ``resolve_method``).
+      restart: the Gram restart interval (``method`` "gram" only).
+
+    Returns:
+      The FLOPs (multiply and add counted apart), an int.
     """
     p, q = min(m, n), max(m, n)
     if resolve_method(method, m, n, steps, syrk, restart) == "gram":

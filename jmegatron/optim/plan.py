@@ -40,8 +40,19 @@ _STATE_FORMS: dict[type, dict[str, str]] = {}
 
 
 def matrix_state(**forms: str) -> Callable[[type], type]:
-    """Declares the fields of a matrix optimizer's state NamedTuple that mirror the
-    params (``HELD`` or ``BLOCKS`` per field), so the plan can place them."""
+    """Declares which fields of a matrix optimizer's state NamedTuple mirror the params.
+
+    The plan places those fields (``ShardingPlan.state_shardings``); the other
+    fields (the count) are replicated. Use as a class decorator.
+
+    Args:
+      **forms: field name -> ``HELD`` (arrays shaped like the leaf as its owners
+        hold it) or ``BLOCKS`` (per leaf a tuple, one entry per matrix block,
+        arrays [*stack, ...]).
+
+    Returns:
+      The decorator, which registers the class and returns it unchanged.
+    """
     def register(cls: type) -> type:
         _STATE_FORMS[cls] = forms
         return cls
@@ -55,7 +66,20 @@ def state_forms(cls: type) -> dict[str, str]:
 
 @dataclasses.dataclass(frozen=True)
 class LeafPlan:
-    """Everything decided about one leaf."""
+    """Everything decided about one leaf.
+
+    Attributes:
+      path: the leaf's ``jax.tree_util.keystr`` path, without ".value".
+      shape: the live shape (grouped stacks [G, g, ...], the padded vocabulary).
+      logical: its logical axes; None for a plain array.
+      route: its ``Route``; None when it is not trained (not an ``nnx.Param``).
+      param: the param's PartitionSpec; None without a mesh.
+      placement: a matrix leaf's state placement under the layout
+        (``jmegatron.optim.placement.Placement``); None for the other leaves,
+        without a mesh, and for plain arrays.
+      codec: the ``LeafCodec`` between the live param (and params-shaped state)
+        and its canonical (checkpoint) form.
+    """
 
     path: str
     shape: tuple[int, ...]            # live shape
@@ -97,7 +121,16 @@ class LeafPlan:
 
 @dataclasses.dataclass(frozen=True)
 class ShardingPlan:
-    """The plan of one params tree (``make_plan``)."""
+    """The plan of one params tree (``make_plan``).
+
+    Attributes:
+      leaves: one ``LeafPlan`` per Flax variable or array, in tree order.
+      treedef: the params' structure down to the variables.
+      trained_treedef: the same of ``trainable_params(params)``.
+      mesh: the mesh; None: no mesh.
+      layout: the ``Layout``; None without a mesh.
+      routing: the ``Routing`` the routes were made with.
+    """
 
     leaves: tuple[LeafPlan, ...]
     treedef: Any                      # the params' structure down to the variables
@@ -221,7 +254,15 @@ def _is_variable(node) -> bool:
 
 
 def trainable_params(params):
-    """The part of ``params`` the optimizer gets (an nnx.State: its nnx.Params)."""
+    """The part of ``params`` the optimizer gets.
+
+    Args:
+      params: an nnx.State (its ``nnx.Param`` variables are kept; the MoE expert
+        bias and other variables are dropped) or any other tree (kept whole).
+
+    Returns:
+      The trained params.
+    """
     return nnx.filter_state(params, nnx.Param) if isinstance(params, nnx.State) else params
 
 
@@ -235,9 +276,22 @@ def resolve_layout(layout: Layout | str | None, mesh: jax.sharding.Mesh,
 
 def make_plan(params, mesh: jax.sharding.Mesh | None = None, layout: Layout | str | None = None,
               routing: Routing = Routing(), rules: Rules = DEFAULT_RULES) -> ShardingPlan:
-    """The plan of ``params`` (abstract or real; with logical axes where they are
-    nnx variables) on ``mesh`` under ``layout`` (default fsdp), matrices found by
-    ``routing``. Without a mesh: routes and codecs only."""
+    """The plan of ``params`` on ``mesh`` under ``layout``, matrices found by ``routing``.
+
+    Without a mesh: routes and codecs only.
+
+    Args:
+      params: the params, abstract or real, with logical axes where they are nnx
+        variables; variables that are not ``nnx.Param`` get a plan with no route.
+      mesh: the device mesh; None: no shardings or placements.
+      layout: a ``Layout`` or "replicated", "layerwise", "fsdp" or "owner"; None:
+        "fsdp". Used only with a mesh.
+      routing: the ``Routing`` options.
+      rules: the logical-to-mesh axis rules a layout given by name is built on.
+
+    Returns:
+      The ``ShardingPlan``.
+    """
     layout = None if mesh is None else resolve_layout(layout, mesh, rules)
     flat, treedef = jax.tree.flatten_with_path(params, is_leaf=_is_variable)
     routes = [routed(path, node, routing) for path, node in flat]

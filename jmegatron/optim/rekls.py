@@ -123,9 +123,24 @@ def _permute_nu(f: Factors, old: Factors, nu):
 
 def rekls_block(g, mu, nu, f: Factors, count, *, b1: float, b2: float, shampoo_beta: float,
                 eps: float):
-    """One REKLS step of a stack of blocks [*batch, m, n] (all fp32; the module
-    docstring's steps 1-4). Returns (direction, mu, nu, factors); ``count`` is this
-    step's number (1-based)."""
+    """One REKLS step of a stack of blocks [*batch, m, n]: the module docstring's steps 1-4.
+
+    Args:
+      g: the gradient, a stack of blocks [*batch, m, n], fp32.
+      mu: the first moment, in the bases of ``f``, [*batch, m, n] fp32.
+      nu: the second moment, likewise.
+      f: the blocks' ``Factors`` before this step (None sides: identity).
+      count: this step's number, 1-based (an int32 scalar).
+      b1: the first moment's decay.
+      b2: the second moment's decay.
+      shampoo_beta: the factors' EMA decay, before its bias correction.
+      eps: Adam's epsilon (added to sqrt(v_hat)) and the floor of KL-Shampoo's
+        eigenvalues.
+
+    Returns:
+      (direction, mu, nu, factors): the Adam direction rotated back, and the
+      moments and factors of this step, in its new bases.
+    """
     t = count.astype(jnp.float32)
     if f.left is None and f.right is None:     # both sides identity: Adam
         new = f
@@ -148,14 +163,37 @@ def scale_by_rekls(*, b1: float = 0.9, b2: float = 0.95, shampoo_beta: float = 0
                    routing: Routing = Routing(), mesh: jax.sharding.Mesh | None = None,
                    layout: Layout | str | None = None, rules: Rules = DEFAULT_RULES,
                    plan: ShardingPlan | None = None) -> optax.GradientTransformation:
-    """REKLS's direction for matrix leaves (every leaf must be a matrix or a stack of
-    them under ``routing``; ``rekls`` sends the others to AdamW). State
-    ``SoapState``: the bases start as the identity, the factors at zero.
+    """REKLS's direction for matrix leaves: Adam in the eigenbasis of KL-Shampoo's factors.
+
+    Every leaf must be a matrix or a stack of them under ``routing``; ``rekls``
+    sends the others to AdamW. State ``SoapState``: the bases start as the
+    identity, the factors at zero.
 
     ``shampoo_beta`` is the factors' EMA decay (bias-corrected), ``eps`` both Adam's
     and the floor of KL-Shampoo's eigenvalues (as in EO). A block side longer than
     ``max_precond_dim`` is not preconditioned (module docstring). ``mesh``,
     ``layout`` and ``plan`` place state and work as for ``scale_by_soap``.
+
+    Args:
+      b1: the first moment's decay.
+      b2: the second moment's decay.
+      shampoo_beta: the factors' EMA decay, in [0, 1), bias-corrected.
+      eps: Adam's epsilon (added to sqrt(v_hat)) and the floor of KL-Shampoo's
+        eigenvalues.
+      max_precond_dim: a block side longer than this keeps the identity basis
+        (no factor).
+      routing: which leaves are matrices and how each splits into blocks
+        (``Routing``); every leaf this transformation sees must be a matrix.
+      mesh: the device mesh; None: no ``shard_map``.
+      layout: a ``Layout`` or its name; None: "fsdp" (with a mesh).
+      rules: the logical-to-mesh axis rules a layout given by name (or None) is
+        built on.
+      plan: a ``ShardingPlan`` replacing ``routing``, ``mesh``, ``layout`` and
+        ``rules`` (see ``scale_by_muon``).
+
+    Returns:
+      An ``optax.GradientTransformation`` (state ``SoapState``) whose updates are
+      the Adam directions rotated back, before the learning rate and sign.
 
     References:
       Vyas et al., "SOAP: Improving and Stabilizing Shampoo using Adam",
@@ -180,11 +218,38 @@ def rekls(learning_rate: optax.ScalarOrSchedule, *, b1: float = 0.9, b2: float =
           layout: Layout | str | None = None, rules: Rules = DEFAULT_RULES,
           plan: ShardingPlan | None = None, adamw: AdamW = AdamW()
           ) -> optax.GradientTransformation:
-    """REKLS for hidden matrices, AdamW (``adamw``'s options) for every other leaf (see
-    ``routing``): matrices get ``-lr * rekls_direction`` and weight decay by
-    ``weight_decay_method`` (``jmegatron.optim.matrix.descend``; "l2" feeds
-    ``g + wd * W`` to the factors too) on every step, the first included (it is
-    a real update). Defaults are EO's.
+    """REKLS for hidden matrices, AdamW for every other leaf.
+
+    ``routing`` (or ``plan``) decides which leaves are matrices. Matrices get
+    ``-lr * rekls_direction`` and weight decay by ``weight_decay_method``
+    (``jmegatron.optim.matrix.descend``; "l2" feeds ``g + wd * W`` to the factors
+    too) on every step, the first included (it is a real update). The other
+    leaves get ``adamw``'s. Defaults are EO's.
+
+    Args:
+      learning_rate: a number or an optax schedule of the step; also AdamW's
+        unless ``adamw.learning_rate`` is set.
+      b1: the first moment's decay.
+      b2: the second moment's decay.
+      shampoo_beta: the factors' EMA decay, in [0, 1), bias-corrected.
+      eps: Adam's epsilon and the floor of KL-Shampoo's eigenvalues.
+      weight_decay: the matrices' weight decay coefficient (0: none); the other
+        leaves take ``adamw.weight_decay``.
+      weight_decay_method: "decoupled", "independent", "l2" or "palm" (see
+        ``descend``).
+      max_precond_dim: a block side longer than this is not preconditioned.
+      routing: which leaves are matrices and how each splits into blocks.
+      mesh: the device mesh; None: no ``shard_map``.
+      layout: a ``Layout`` or its name; None: "fsdp" (with a mesh).
+      rules: the logical-to-mesh axis rules a layout given by name (or None) is
+        built on.
+      plan: a ``ShardingPlan`` replacing ``routing``, ``mesh``, ``layout`` and
+        ``rules``.
+      adamw: the AdamW of the other leaves (``AdamW``).
+
+    Returns:
+      An ``optax.GradientTransformation``: an ``optax.partition`` of the matrices
+      (label "rekls") and the AdamW leaves.
 
     References:
       Lin et al., "Understanding and Improving Shampoo and SOAP via
@@ -200,16 +265,28 @@ def rekls(learning_rate: optax.ScalarOrSchedule, *, b1: float = 0.9, b2: float =
 
 
 def rekls_flops(params, routing: Routing = Routing(), max_precond_dim: int = 10_000) -> int:
-    """Matmul FLOPs of one REKLS step on ``params``, per m x n block, for each side
-    p in {m, n} that is preconditioned (o: the other side): rotating the old
-    first moment out and into the new basis, the gradient in and the direction
-    back (8 mnp); the sort's eigenvalue estimate (2 p^3); the factor update
-    G C_o G^T (2 p^2 o, plus 2 p o^2 when o is preconditioned); and when o is
-    preconditioned, p's KL correction C_p (its eigenvalue estimate and
-    Q diag Q^T: 4 p^3). The ``eigh`` of every preconditioned factor each step
-    (not a matmul: LAPACK/cuSOLVER, about 9 p^3 FLOPs with eigenvectors, Golub &
-    Van Loan) is left out. XLA's cost analysis of one 64 x 128 block counts 1-2%
-    more (the elementwise work), two-sided or one-sided."""
+    """Matmul FLOPs of one REKLS step on ``params``.
+
+    Per m x n block, for each side p in {m, n} that is preconditioned (o: the
+    other side): rotating the old first moment out and into the new basis, the
+    gradient in and the direction back (8 mnp); the sort's eigenvalue estimate
+    (2 p^3); the factor update G C_o G^T (2 p^2 o, plus 2 p o^2 when o is
+    preconditioned); and when o is preconditioned, p's KL correction C_p (its
+    eigenvalue estimate and Q diag Q^T: 4 p^3). The ``eigh`` of every
+    preconditioned factor each step (not a matmul: LAPACK/cuSOLVER, about 9 p^3
+    FLOPs with eigenvectors, Golub & Van Loan) is left out. XLA's cost analysis
+    of one 64 x 128 block counts 1-2% more (the elementwise work), two-sided or
+    one-sided.
+
+    Args:
+      params: the params tree (real or abstract arrays, or an nnx.State; only the
+        shapes and logical axes are read).
+      routing: which leaves are matrices, as for ``rekls``.
+      max_precond_dim: the longest side that is preconditioned, as for ``rekls``.
+
+    Returns:
+      The FLOPs, an int.
+    """
     total = 0
     for piece in matrix_pieces(params, routing):
         m, n = piece.fan_in, piece.fan_out

@@ -32,7 +32,14 @@ _ADAMW_NAME = re.compile(r"(^|[_.])(embed\w*|wte|wpe|lm_head|head|unembed\w*|\w*
 
 @dataclasses.dataclass(frozen=True)
 class Piece:
-    """One block of a leaf orthogonalized on its own: ``count`` matrices fan_in x fan_out."""
+    """One block of a leaf orthogonalized on its own: ``count`` matrices fan_in x fan_out.
+
+    Attributes:
+      name: the block's name ("q", "k", "v", "gate", "up"; "" for a leaf not split).
+      count: the matrices of this block in the leaf (the product of its batch dims).
+      fan_in: each matrix's rows (the product of the spec's ``in_axes``).
+      fan_out: each matrix's columns (the product of its ``out_axes``).
+    """
 
     name: str
     count: int
@@ -42,9 +49,20 @@ class Piece:
 
 @dataclasses.dataclass(frozen=True)
 class MatrixSpec:
-    """A leaf seen as a batch of matrices: axes not in ``in_axes``/``out_axes`` are
-    batch axes; an optional ``split_axis`` cuts the leaf into blocks (Q, K, V of a
-    fused QKV weight) that are orthogonalized separately."""
+    """A leaf seen as a batch of matrices, optionally cut into blocks.
+
+    Axes not in ``in_axes``/``out_axes`` are batch axes; an optional
+    ``split_axis`` cuts the leaf into blocks (Q, K, V of a fused QKV weight) that
+    are orthogonalized separately.
+
+    Attributes:
+      in_axes: the leaf's axes merged, in order, into each matrix's rows (fan_in).
+      out_axes: the axes merged into its columns (fan_out).
+      split_axis: the axis cut into blocks; None: one block.
+      split_sizes: the blocks' sizes along ``split_axis`` (a fused QKV weight:
+        (G, 1, 1) for its G query slots, the key and the value).
+      split_names: the blocks' names, one per size.
+    """
 
     in_axes: tuple[int, ...]
     out_axes: tuple[int, ...]
@@ -78,6 +96,13 @@ def to_matrices(x: jax.Array, spec: MatrixSpec) -> list[jax.Array]:
 
     The batch dims keep their order (``batch_axes``) and are not merged, so a
     batch dim split over devices stays split the same way.
+
+    Args:
+      x: a leaf (or an array shaped like one).
+      spec: its ``MatrixSpec``.
+
+    Returns:
+      One stack per block, in the spec's order.
     """
     order = batch_axes(spec, x.ndim) + spec.in_axes + spec.out_axes
     stacks = []
@@ -91,7 +116,17 @@ def to_matrices(x: jax.Array, spec: MatrixSpec) -> list[jax.Array]:
 
 
 def from_matrices(stacks: list[jax.Array], spec: MatrixSpec, shape: tuple[int, ...]) -> jax.Array:
-    """Inverse of ``to_matrices``: the leaf of ``shape`` the blocks came from."""
+    """Inverse of ``to_matrices``: the leaf of ``shape`` the blocks came from.
+
+    Args:
+      stacks: one stack [*batch, fan_in, fan_out] per block, as ``to_matrices``
+        gives them.
+      spec: the leaf's ``MatrixSpec``.
+      shape: the leaf's shape.
+
+    Returns:
+      The leaf, of ``shape``.
+    """
     order = batch_axes(spec, len(shape)) + spec.in_axes + spec.out_axes
     sizes = spec.split_sizes or (None,)
     outs = []
@@ -106,7 +141,16 @@ def from_matrices(stacks: list[jax.Array], spec: MatrixSpec, shape: tuple[int, .
 
 def map_matrices(fn: Callable[[jax.Array, int, int], jax.Array], x: jax.Array,
                  spec: MatrixSpec) -> jax.Array:
-    """Applies ``fn(stack [*batch, fan_in, fan_out], fan_in, fan_out)`` to every block."""
+    """Applies ``fn(stack [*batch, fan_in, fan_out], fan_in, fan_out)`` to every block.
+
+    Args:
+      fn: maps a block's stack and its fans to a stack of the same shape.
+      x: the leaf.
+      spec: its ``MatrixSpec``.
+
+    Returns:
+      The leaf of x's shape made of ``fn``'s blocks.
+    """
     outs = [fn(stack, *stack.shape[-2:]) for stack in to_matrices(x, spec)]
     return from_matrices(outs, spec, x.shape)
 
@@ -122,7 +166,13 @@ def _inverse(order: tuple[int, ...]) -> tuple[int, ...]:
 
 @dataclasses.dataclass(frozen=True)
 class Route:
-    """The decision for one leaf: ADAMW, or MATRIX with its spec; ``rule`` says why."""
+    """The decision for one leaf: ADAMW, or MATRIX with its spec; ``rule`` says why.
+
+    Attributes:
+      kind: ``MATRIX`` ("matrix") or ``ADAMW`` ("adamw").
+      rule: the rule that decided, in words (for reports and errors).
+      spec: the leaf's ``MatrixSpec`` when it is a matrix; None for AdamW.
+    """
 
     kind: str
     rule: str
@@ -131,13 +181,18 @@ class Route:
 
 @dataclasses.dataclass(frozen=True)
 class Routing:
-    """Routing options.
+    """Routing options: which optimizer each leaf gets, and its matrix view.
 
-    split_qkv: orthogonalize Q, K and V of a fused QKV weight separately (and
-      gate and up of a fused SwiGLU weight).
-    per_head: orthogonalize each attention head's block on its own.
-    router: where an MoE router goes ("adamw" or "matrix").
-    custom: ``custom(path, shape, logical_axes) -> Route | None`` tried first.
+    Attributes:
+      split_qkv: orthogonalize Q, K and V of a fused QKV weight separately (and
+        gate and up of a fused SwiGLU weight); read from logical axes.
+      per_head: orthogonalize each attention head's block on its own (the head
+        and QKV slot axes become batch axes).
+      router: where an MoE router (a leaf with "router" in its path) goes:
+        "adamw" or "matrix".
+      custom: ``custom(path, shape, logical_axes) -> Route | None``, tried first;
+        None falls through to the built-in rules. ``logical_axes`` is None for
+        plain arrays and for axis names jmegatron does not know.
     """
 
     split_qkv: bool = True
@@ -221,7 +276,14 @@ def _by_name_and_shape(opts, path, shape, logical) -> Route | None:
 
 
 class LeafRoute(NamedTuple):
-    """A leaf's path, shape, logical axes (None for plain arrays) and Route."""
+    """A leaf's path, shape, logical axes (None for plain arrays) and Route.
+
+    Attributes:
+      path: the leaf's ``jax.tree_util.keystr`` path, without ".value".
+      shape: the leaf's shape.
+      logical: its logical axes; None for a plain array.
+      route: its ``Route``; None when it is not trained (not an ``nnx.Param``).
+    """
 
     path: str
     shape: tuple[int, ...]
@@ -252,29 +314,67 @@ def routed(path, node, routing: Routing) -> LeafRoute:
 
 
 def leaf_routes(tree, routing: Routing = Routing()) -> list[LeafRoute]:
-    """The LeafRoute of every trained leaf of ``tree``, in ``jax.tree.leaves`` order
-    (the plan, ``jmegatron.optim.plan``, keeps them with the rest of each leaf)."""
+    """The LeafRoute of every trained leaf of ``tree``, in ``jax.tree.leaves`` order.
+
+    The plan (``jmegatron.optim.plan``) keeps them with the rest of each leaf.
+
+    Args:
+      tree: the params: arrays (decided by path and shape) or Flax variables
+        (by their logical axes); variables that are not ``nnx.Param`` are skipped.
+      routing: the ``Routing`` options.
+
+    Returns:
+      A list of ``LeafRoute``.
+    """
     leaves = [routed(path, node, routing)
               for path, node in jax.tree.leaves_with_path(tree, is_leaf=_is_annotated)]
     return [leaf for leaf in leaves if leaf.route is not None]
 
 
 def route(params, routing: Routing = Routing()):
-    """A tree of Routes (a prefix of ``params``: one per leaf or Flax variable)."""
+    """A tree of Routes (a prefix of ``params``: one per leaf or Flax variable).
+
+    Args:
+      params: the trained params (``trainable_params``): arrays or ``nnx.Param``
+        variables.
+      routing: the ``Routing`` options.
+
+    Returns:
+      ``params``' structure with a ``Route`` per leaf.
+    """
     treedef = jax.tree.structure(params, is_leaf=_is_annotated)
     return treedef.unflatten([leaf.route for leaf in leaf_routes(params, routing)])
 
 
 def labels(params, routing: Routing = Routing(), matrix_label: str = "muon"):
-    """``optax.partition`` labels: ``matrix_label`` or "adamw" per leaf."""
+    """``optax.partition`` labels: ``matrix_label`` or "adamw" per leaf.
+
+    Args:
+      params: the trained params, as for ``route``.
+      routing: the ``Routing`` options.
+      matrix_label: the label of the matrix leaves.
+
+    Returns:
+      ``params``' structure with a label per leaf.
+    """
     return jax.tree.map(lambda r: matrix_label if r.kind == MATRIX else ADAMW,
                         route(params, routing), is_leaf=lambda r: isinstance(r, Route))
 
 
 def describe(params, routing: Routing = Routing(), matrix_name: str = "muon",
              block_note: Callable[[LeafRoute, Piece], str] | None = None) -> str:
-    """A table: every leaf with its optimizer, matrix blocks and batch axes
-    (``block_note`` appends a note per block, e.g. its tensor-parallel mode)."""
+    """A table: every leaf with its optimizer, matrix blocks and batch axes.
+
+    Args:
+      params: the params (real or abstract; only shapes and logical axes are read).
+      routing: the ``Routing`` options.
+      matrix_name: the matrix optimizer's name in the "optimizer" column.
+      block_note: ``block_note(leaf, piece) -> str`` appended to each block
+        (e.g. its tensor-parallel mode); None: no note.
+
+    Returns:
+      The table, one line per trained leaf under a header.
+    """
     return describe_leaves(leaf_routes(params, routing), matrix_name, block_note)
 
 
@@ -297,6 +397,14 @@ def describe_leaves(leaves: list[LeafRoute], matrix_name: str = "muon",
 
 
 def matrix_pieces(params, routing: Routing = Routing()) -> list[Piece]:
-    """Every block the matrix optimizer orthogonalizes (for FLOP counts)."""
+    """Every block the matrix optimizer orthogonalizes (for FLOP counts).
+
+    Args:
+      params: the params (real or abstract; only shapes and logical axes are read).
+      routing: the ``Routing`` options.
+
+    Returns:
+      A list of ``Piece``, per matrix leaf in order.
+    """
     return [p for leaf in leaf_routes(params, routing) if leaf.route.kind == MATRIX
             for p in leaf.route.spec.pieces(leaf.shape)]

@@ -53,7 +53,16 @@ _HIGHEST = lax.Precision.HIGHEST
 
 
 class Factors(NamedTuple):
-    """Shampoo's factors of one block and their eigenbases (None: identity side)."""
+    """Shampoo's factors of one block and their eigenbases (None: identity side).
+
+    Attributes:
+      left: [*batch, m, m], SOAP's EMA of G G^T (REKLS: KL-Shampoo's left
+        factor); None where the side is longer than ``max_precond_dim``.
+      right: [*batch, n, n], SOAP's EMA of G^T G (REKLS: the right factor).
+      q_left: [*batch, m, m], the left eigenbasis, columns by eigenvalue
+        descending.
+      q_right: [*batch, n, n], the right eigenbasis, likewise.
+    """
 
     left: jax.Array | None       # [*batch, m, m]  EMA of G G^T
     right: jax.Array | None      # [*batch, n, n]  EMA of G^T G
@@ -63,6 +72,16 @@ class Factors(NamedTuple):
 
 @matrix_state(mu=HELD, nu=HELD, factors=BLOCKS)
 class SoapState(NamedTuple):
+    """The state of ``scale_by_soap`` (and of ``scale_by_rekls``).
+
+    Attributes:
+      count: the steps seen, an int32 scalar (SOAP's first makes no update).
+      mu: the first moment, in the eigenbasis, held as the owners hold the params.
+      nu: the second moment, likewise.
+      factors: a tree mirroring the params: per matrix leaf a tuple of
+        ``Factors``, one per block.
+    """
+
     count: jax.Array              # int32 scalar: steps seen (the first makes no update)
     mu: optax.Updates             # first moment, in the eigenbasis, held like the params
     nu: optax.Updates             # second moment, likewise
@@ -202,12 +221,38 @@ def scale_by_soap(*, b1: float = 0.95, b2: float = 0.95, shampoo_beta: float | N
                   routing: Routing = Routing(), mesh: jax.sharding.Mesh | None = None,
                   layout: Layout | str | None = None, rules: Rules = DEFAULT_RULES,
                   plan: ShardingPlan | None = None) -> optax.GradientTransformation:
-    """SOAP's direction for matrix leaves (every leaf must be a matrix or a stack
-    of them under ``routing``; ``soap`` sends the others to AdamW).
+    """SOAP's direction for matrix leaves: Adam in the eigenbasis of Shampoo's factors.
 
-    ``shampoo_beta`` (the factors' EMA decay) defaults to ``b2``. A block side
-    longer than ``max_precond_dim`` is not preconditioned. ``mesh``, ``layout``
-    and ``plan`` place state and work as for ``scale_by_muon``.
+    Every leaf must be a matrix or a stack of them under ``routing``; ``soap``
+    sends the others to AdamW. ``shampoo_beta`` (the factors' EMA decay)
+    defaults to ``b2``. A block side longer than ``max_precond_dim`` is not
+    preconditioned. ``mesh``, ``layout`` and ``plan`` place state and work as
+    for ``scale_by_muon``.
+
+    Args:
+      b1: the first moment's decay.
+      b2: the second moment's decay.
+      shampoo_beta: the factors' EMA decay; None: ``b2``.
+      eps: added to the (bias-corrected) sqrt(v), as in ``optax.adam``.
+      precondition_frequency: the Adam steps between refreshes of the bases (one
+        power iteration and a QR each); >= 1.
+      max_precond_dim: a block side longer than this keeps the identity basis
+        (no factor).
+      bias_correction: Adam's bias correction of both moments, counted in Adam
+        steps (from the second step where a side is preconditioned).
+      routing: which leaves are matrices and how each splits into blocks
+        (``Routing``); every leaf this transformation sees must be a matrix.
+      mesh: the device mesh; None: no ``shard_map``.
+      layout: a ``Layout`` or its name; None: "fsdp" (with a mesh).
+      rules: the logical-to-mesh axis rules a layout given by name (or None) is
+        built on.
+      plan: a ``ShardingPlan`` replacing ``routing``, ``mesh``, ``layout`` and
+        ``rules`` (see ``scale_by_muon``).
+
+    Returns:
+      An ``optax.GradientTransformation`` (state ``SoapState``) whose updates are
+      the Adam directions rotated back, before the learning rate and sign; zero
+      on the first step of a block with a preconditioned side.
 
     References:
       Vyas et al., "SOAP: Improving and Stabilizing Shampoo using Adam",
@@ -260,11 +305,41 @@ def soap(learning_rate: optax.ScalarOrSchedule, *, b1: float = 0.95, b2: float =
          layout: Layout | str | None = None, rules: Rules = DEFAULT_RULES,
          plan: ShardingPlan | None = None, adamw: AdamW = AdamW()
          ) -> optax.GradientTransformation:
-    """SOAP for hidden matrices, AdamW (``adamw``'s options) for every other leaf (see
-    ``routing``): matrices get ``-lr * soap_direction`` and weight decay by
-    ``weight_decay_method`` (``jmegatron.optim.matrix.descend``; "l2" feeds
-    ``g + wd * W`` to the factors too), and nothing on the first step, which only
-    builds the eigenbases (no direction, no weight decay).
+    """SOAP for hidden matrices, AdamW for every other leaf.
+
+    ``routing`` (or ``plan``) decides which leaves are matrices. Matrices get
+    ``-lr * soap_direction`` and weight decay by ``weight_decay_method``
+    (``jmegatron.optim.matrix.descend``; "l2" feeds ``g + wd * W`` to the factors
+    too), and nothing on the first step, which only builds the eigenbases (no
+    direction, no weight decay; blocks with no preconditioned side are Adam
+    from the first step). The other leaves get ``adamw``'s.
+
+    Args:
+      learning_rate: a number or an optax schedule of the step; also AdamW's
+        unless ``adamw.learning_rate`` is set.
+      b1: the first moment's decay.
+      b2: the second moment's decay.
+      shampoo_beta: the factors' EMA decay; None: ``b2``.
+      eps: added to the (bias-corrected) sqrt(v).
+      precondition_frequency: the Adam steps between refreshes of the bases.
+      max_precond_dim: a block side longer than this is not preconditioned.
+      bias_correction: Adam's bias correction of both moments.
+      weight_decay: the matrices' weight decay coefficient (0: none); the other
+        leaves take ``adamw.weight_decay``.
+      weight_decay_method: "decoupled", "independent", "l2" or "palm" (see
+        ``descend``).
+      routing: which leaves are matrices and how each splits into blocks.
+      mesh: the device mesh; None: no ``shard_map``.
+      layout: a ``Layout`` or its name; None: "fsdp" (with a mesh).
+      rules: the logical-to-mesh axis rules a layout given by name (or None) is
+        built on.
+      plan: a ``ShardingPlan`` replacing ``routing``, ``mesh``, ``layout`` and
+        ``rules``.
+      adamw: the AdamW of the other leaves (``AdamW``).
+
+    Returns:
+      An ``optax.GradientTransformation``: an ``optax.partition`` of the matrices
+      (label "soap") and the AdamW leaves.
 
     References:
       Vyas et al., "SOAP: Improving and Stabilizing Shampoo using Adam",
@@ -282,11 +357,24 @@ def soap(learning_rate: optax.ScalarOrSchedule, *, b1: float = 0.95, b2: float =
 
 def soap_flops(params, routing: Routing = Routing(), precondition_frequency: int = 10,
                max_precond_dim: int = 10_000) -> int:
-    """Matmul FLOPs of one SOAP step on ``params``, per m x n block with side
-    sizes p in {m, n} that are preconditioned: rotating the gradient in and
-    the direction back (4 mnp) and the factor update (2 mnp) every step; per
-    refresh, amortized: the eigenvalue estimate (4 p^3), one power iteration
-    (2 p^3) and QR (4/3 p^3, Householder). The first step's eigh is left out."""
+    """Matmul FLOPs of one SOAP step on ``params``.
+
+    Per m x n block, for each side p in {m, n} that is preconditioned: rotating
+    the gradient in and the direction back (4 mnp) and the factor update
+    (2 mnp) every step; per refresh, amortized: the eigenvalue estimate (4 p^3),
+    one power iteration (2 p^3) and QR (4/3 p^3, Householder). The first step's
+    eigh is left out.
+
+    Args:
+      params: the params tree (real or abstract arrays, or an nnx.State; only the
+        shapes and logical axes are read).
+      routing: which leaves are matrices, as for ``soap``.
+      precondition_frequency: the steps between refreshes, as for ``soap``.
+      max_precond_dim: the longest side that is preconditioned, as for ``soap``.
+
+    Returns:
+      The FLOPs, an int.
+    """
     total = 0.0
     for piece in matrix_pieces(params, routing):
         m, n = piece.fan_in, piece.fan_out

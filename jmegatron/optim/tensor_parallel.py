@@ -59,12 +59,21 @@ Side = Literal["in", "out"]      # the split dim of a [fan_in, fan_out] matrix
 
 @dataclasses.dataclass(frozen=True)
 class TPCostModel:
-    """Time of one mode = collectives x latency + bytes / bandwidth + FLOPs / rate,
+    """The modeled time of each tensor-parallel mode, by which "auto" chooses.
+
+    Time of one mode = collectives x latency + bytes / bandwidth + FLOPs / rate,
     per device. Defaults: an H100-class GPU running fp32 Newton-Schulz on TF32
     tensor cores (~4e14 FLOP/s), NVLink (~4.5e11 B/s per direction), ~10 us
     per collective. With them, latency decides for small matrices (one
     all-gather beats steps + 1 all-reduces) and FLOPs for large ones. It counts
-    plain Newton-Schulz FLOPs: what the SYRK kernel saves is ignored."""
+    plain Newton-Schulz FLOPs: what the SYRK kernel saves is ignored.
+
+    Attributes:
+      flops_per_s: the matmul rate per device, FLOP/s.
+      bytes_per_s: the collectives' bandwidth per device and direction, bytes/s.
+      latency_s: the fixed cost of one collective, seconds.
+      dtype_bytes: the bytes of one element sent (4: fp32).
+    """
 
     flops_per_s: float = 4e14
     bytes_per_s: float = 4.5e11
@@ -101,7 +110,15 @@ class TPCostModel:
 
 @dataclasses.dataclass(frozen=True)
 class TensorParallel:
-    """The mesh, its tensor axis, and the mode Newton-Schulz uses on split matrices."""
+    """The mesh, its tensor axis, and the mode Newton-Schulz uses on split matrices.
+
+    Attributes:
+      mesh: the device mesh.
+      mode: "duplicated", "distributed", "gathered", "blockwise" or "auto" (per
+        matrix, the exact mode ``cost_model`` times lowest); module docstring.
+      axis: the mesh axis matrices are split over.
+      cost_model: the ``TPCostModel`` that "auto" chooses by.
+    """
 
     mesh: jax.sharding.Mesh
     mode: TPMode = "auto"
@@ -169,20 +186,45 @@ def tp_newton_schulz(stack: jax.Array, side: Side | None, mode: str, tp: TensorP
                      batch_spec: tuple = (), steps: int | None = None, coefficients="quintic",
                      matmul_dtype=jnp.float32, syrk: bool | str = False,
                      method: NSMethod = "standard", real: np.ndarray | None = None) -> jax.Array:
-    """Newton-Schulz of a stack [*batch, m, n] in ``jax.shard_map``: the batch dims
-    split as ``batch_spec`` says (each device orthogonalizes its own matrices),
-    the matrices split over ``tp.axis`` along ``side`` and handled in ``mode``
-    (not "auto"), or whole when ``side`` is None. Any other split of the input
-    (an fsdp-split embed dim) is gathered on the way in. ``syrk`` (see
-    ``newton_schulz``) applies in every mode: in distributed, each rank's local
-    Gram is a SYRK before the psum. ``method`` (see ``newton_schulz``) applies
-    in every mode too: whole matrices and blocks resolve it by their own shape;
-    in distributed, "gram" sums one r x r Gram per restart segment instead of
-    one per iteration, and "auto" resolves by the per-device FLOPs
-    (``_distributed_method``). ``real`` marks the entries of the first
-    batch dim that hold a matrix (``Placement.real_slots``: padding is at most
-    each device's last): a device skips its padding, except in the modes that
-    communicate inside Newton-Schulz."""
+    """Newton-Schulz of a stack [*batch, m, n] whose matrices may be split over devices.
+
+    It runs in ``jax.shard_map``: the batch dims split as ``batch_spec`` says
+    (each device orthogonalizes its own matrices), the matrices split over
+    ``tp.axis`` along ``side`` and handled in ``mode`` (not "auto"), or whole
+    when ``side`` is None. Any other split of the input (an fsdp-split embed
+    dim) is gathered on the way in. ``syrk`` (see ``newton_schulz``) applies in
+    every mode: in distributed, each rank's local Gram is a SYRK before the
+    psum. ``method`` (see ``newton_schulz``) applies in every mode too: whole
+    matrices and blocks resolve it by their own shape; in distributed, "gram"
+    sums one r x r Gram per restart segment instead of one per iteration, and
+    "auto" resolves by the per-device FLOPs (``_distributed_method``). ``real``
+    marks the entries of the first batch dim that hold a matrix
+    (``Placement.real_slots``: padding is at most each device's last): a device
+    skips its padding, except in the modes that communicate inside
+    Newton-Schulz.
+
+    Args:
+      stack: the matrices [*batch, m, n] (a global array, as sharded).
+      side: "in" (the rows m split over ``tp.axis``), "out" (the columns n), or
+        None (each matrix whole on every device).
+      mode: "duplicated", "distributed", "gathered" or "blockwise" (resolved, as
+        by ``TensorParallel.mode_for``); unused when ``side`` is None.
+      tp: the ``TensorParallel`` (its mesh and axis).
+      batch_spec: the mesh axes of the leading batch dims, as PartitionSpec
+        entries; dims past it are not split.
+      steps: Newton-Schulz iterations; None: the set's ``default_steps``.
+      coefficients: the coefficient set (see ``coefficient_set``).
+      matmul_dtype: the dtype of the matmul operands (fp32 accumulation).
+      syrk: False, True or a SYRK backend name (see ``newton_schulz``).
+      method: "standard", "gram" or "auto" (see ``newton_schulz``).
+      real: a bool array over the first batch dim, True where it holds a matrix;
+        padding is skipped only when ``side`` is None or in blockwise. None: all
+        real.
+
+    Returns:
+      The orthogonalized stack, fp32, sharded as it came in over ``batch_spec``
+      and ``side`` (any other split is gathered).
+    """
     schedule, normalization = resolve_schedule(coefficients, steps)
     ns = dict(steps=steps, coefficients=coefficients, matmul_dtype=matmul_dtype, syrk=syrk,
               method=method)
