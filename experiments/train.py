@@ -64,6 +64,7 @@ def main(argv: list[str] | None = None) -> dict:
     jax.config.update("jax_num_cpu_devices", cfg.cpu_devices)
     from jmegatron.train import distributed, plan_run, train
     from jmegatron.train.checkpoint import CheckpointError
+    from jmegatron.models.hf import HFError
     from jmegatron.train.loop import TrainingError
     try:
         distributed.initialize(cfg.dist)   # several processes: before anything touches a device
@@ -76,7 +77,7 @@ def main(argv: list[str] | None = None) -> dict:
             sys.exit(f"error: {err}")
         try:
             summary = train(cfg, plan, resume_command(argv, plan.run_dir))
-        except (CheckpointError, TrainingError) as err:   # one line, no trace
+        except (CheckpointError, TrainingError, HFError) as err:   # one line, no trace
             sys.exit(f"error: {err}")
         if "error" in summary:   # already reported; the checkpoint was saved before it
             sys.exit(1)

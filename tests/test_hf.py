@@ -19,6 +19,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 
 from experiments import export_hf, prepare_data
+from experiments import train as train_cli
 from jmegatron.data import stdlib_files
 from jmegatron.data.tokenizer import HFTokenizer
 from jmegatron.models import cross_entropy, hf
@@ -183,6 +184,23 @@ def test_missing_shard_and_missing_folder_are_named(folders, tmp_path):
         hf.load(folder)
     with pytest.raises(hf.HFError, match="no config.json"):
         hf.load(tmp_path / "nowhere")
+
+
+def test_a_broken_folder_stops_the_trainer_with_one_line(folders, tmp_path):
+    """A config.json without a required field, and weights that are missing when the
+    trainer reads them: one line each, no traceback."""
+    folder = edited(folders["llama"][0], tmp_path)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({k: v for k, v in config.items()
+                                                    if k != "rms_norm_eps"}))
+    with pytest.raises(hf.HFError, match="config.json has no field 'rms_norm_eps'"):
+        hf.config_from_hf(folder)
+    (folder / "config.json").write_text(json.dumps(config))
+    (folder / "model.safetensors").unlink()
+    with pytest.raises(SystemExit, match=r"^error: .*no model\.safetensors"):
+        train_cli.main([f"--init-from=hf:{folder}", "--steps=1", "--batch-size=8",
+                        "--seq-len=16", f"--out-dir={tmp_path}", "--name=broken",
+                        "--no-progress"])
 
 
 @pytest.fixture(scope="module")

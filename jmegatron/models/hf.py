@@ -59,10 +59,32 @@ class HFError(ValueError):
 
 
 def config_from_hf(path: str | Path, base: GPTConfig = GPTConfig()) -> GPTConfig:
-    """The GPTConfig of the Hugging Face folder ``path`` (unpadded vocabulary): its
-    architecture from config.json, jmegatron's own choices (dtype, remat, init_std,
-    MoE dispatch, aux-loss weights, ...) from ``base``."""
+    """The GPTConfig of the Hugging Face folder ``path``, its vocabulary unpadded.
+
+    The architecture comes from config.json, jmegatron's own choices from
+    ``base``.
+
+    Args:
+      path: a Hugging Face model folder (its config.json's model_type "llama",
+        "qwen2", "qwen3" or "qwen3_moe").
+      base: the config whose fields config.json does not set are kept (dtype,
+        remat, init_std, MoE dispatch, aux-loss weights, ...).
+
+    Returns:
+      The config, ``padded_vocab_size`` unset (``pad_vocab`` sets it).
+
+    Raises:
+      HFError: a model type or option jmegatron does not have, or a field
+        config.json lacks; the message names it.
+    """
     hf = json.loads(_file(Path(path), "config.json").read_text())
+    try:
+        return _config(hf, path, base)
+    except KeyError as err:   # one line naming the field, not a traceback
+        raise HFError(f"{path}: config.json has no field {err.args[0]!r}") from None
+
+
+def _config(hf: dict, path, base: GPTConfig) -> GPTConfig:
     kind = hf.get("model_type")
     if kind not in ARCHITECTURES:
         raise HFError(f"{path}: model_type={kind!r} is not supported; "
@@ -111,8 +133,22 @@ def _moe_from_hf(hf: dict, path, base: MoEConfig) -> MoEConfig:
 
 
 def config_to_hf(cfg: GPTConfig) -> dict:
-    """config.json for ``cfg``: Qwen3-MoE with experts, Qwen3 with QK-norm, Qwen2 with
-    a QKV bias, else Llama."""
+    """The config.json of ``cfg``, as a dict.
+
+    The family: Qwen3-MoE with experts, Qwen3 with QK-norm, Qwen2 with a QKV
+    bias, else Llama.
+
+    Args:
+      cfg: the model's ``GPTConfig``.
+
+    Returns:
+      The dict (weights declared fp32, as ``save`` writes them).
+
+    Raises:
+      HFError: a model no family here has: QK-norm with a QKV bias, or experts
+        without QK-norm or softmax scoring, or with a shared expert, an expert
+        bias, or first_dense with every > 1.
+    """
     m = cfg.moe
     kind = ("qwen3_moe" if m.n_experts else "qwen3" if cfg.qk_norm
             else "qwen2" if cfg.qkv_bias else "llama")
@@ -155,7 +191,14 @@ _DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_d
 
 
 def tensor_names(file: Path) -> list[str]:
-    """The tensors a safetensors file holds."""
+    """The tensors a safetensors file holds.
+
+    Args:
+      file: the safetensors file's path.
+
+    Returns:
+      Their names, in the header's order (metadata left out).
+    """
     return list(_header(file)[0])
 
 
@@ -248,15 +291,26 @@ def _key(path) -> str:
 
 def load(path: str | Path, mesh: jax.sharding.Mesh | None = None, rules: Rules = DEFAULT_RULES,
          cfg: GPTConfig | None = None) -> GPT:
-    """The Hugging Face model in folder ``path`` as a jmegatron GPT, every parameter
-    born sharded on ``mesh`` under ``rules`` (one device when ``mesh`` is None).
+    """The Hugging Face model in folder ``path`` as a jmegatron GPT, born sharded.
+
+    Every parameter is born sharded on ``mesh`` under ``rules`` (one device when
+    ``mesh`` is None), each device reading only its own blocks.
 
     Args:
       path: a folder with config.json and safetensors files.
-      mesh, rules: where the parameters live (as for ``create_sharded``).
+      mesh: the device mesh the parameters live on (as for ``create_sharded``);
+        None: the first device.
+      rules: the logical-to-mesh axis rules that place each parameter.
       cfg: the config to build, from ``config_from_hf(path)`` with jmegatron-only
         fields changed (``layer_group``, ``remat``, ``dtype``, ...); by default
         ``config_from_hf(path).pad_vocab(tensor size)``.
+
+    Returns:
+      The GPT.
+
+    Raises:
+      HFError: a field of ``cfg`` that differs from the folder's, a missing
+        tensor, or a shape the config does not give.
     """
     folder = Path(path)
     if cfg is None:
@@ -352,11 +406,24 @@ def _reader(key: str, var, t: _Tensors, cfg: GPTConfig):
 
 def save(params: nnx.State | GPT, cfg: GPTConfig, path: str | Path,
          max_shard_bytes: int = 2 << 30) -> Path:
-    """Writes ``params`` (a GPT's state, or the GPT) of a model ``cfg`` as a Hugging
-    Face folder (config.json, safetensors shards of at most ``max_shard_bytes`` and
-    their index) that ``transformers.AutoModelForCausalLM.from_pretrained`` loads.
-    Gathers the whole model onto this process's host before writing (one process:
-    its devices must hold all of it)."""
+    """Writes ``params`` of a model ``cfg`` as a Hugging Face folder.
+
+    The folder (config.json, fp32 safetensors shards and their index) is what
+    ``transformers.AutoModelForCausalLM.from_pretrained`` loads. Gathers the whole
+    model onto this process's host before writing (one process: its devices must
+    hold all of it).
+
+    Args:
+      params: a GPT's state (an nnx.State; grouped stacks are fine) or the GPT.
+      cfg: the model's ``GPTConfig`` (its family: see ``config_to_hf``).
+      path: the folder, created if missing; files of the same names are
+        overwritten.
+      max_shard_bytes: the most bytes of one safetensors shard (default 2 GiB);
+        a larger tensor gets a shard of its own.
+
+    Returns:
+      The folder's path.
+    """
     from safetensors.numpy import save_file
     out = Path(path)
     hf = config_to_hf(cfg)
