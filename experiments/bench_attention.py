@@ -41,12 +41,16 @@ def programs(b, t, n, k, h):
             jax.value_and_grad(ours, (0, 1, 2), has_aux=True))}
 
 
-def main(args_list: list[str] | None = None) -> list[dict]:
+def parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--out", help="JSON path (default bench_results/bench_attention.json)")
-    args = parser.parse_args(args_list)
+    return parser
+
+
+def main(args_list: list[str] | None = None) -> list[dict]:
+    args = parser().parse_args(args_list)
     rows = []
     for name, *shape in SHAPES:
         inputs, variants = programs(*shape)

@@ -92,12 +92,16 @@ def measure(state: dict, folder: str) -> dict[str, float]:
     return out
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--mb", type=int, default=512)
     parser.add_argument("--small", action="store_true", help="64 MB (about a minute)")
     parser.add_argument("--out", default=None)
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> None:
+    args = parser().parse_args()
     megabytes = 64 if args.small else args.mb
     state = make_state(megabytes)
     size = sum(x.nbytes for x in state.values()) / 2 ** 20

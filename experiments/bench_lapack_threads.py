@@ -50,11 +50,15 @@ def measure(threads: str | None) -> dict:
             **json.loads(done.stdout.strip().splitlines()[-1])}
 
 
-def main(args_list: list[str] | None = None) -> list[dict]:
+def parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default=None)
-    args = parser.parse_args(args_list)
+    return parser
+
+
+def main(args_list: list[str] | None = None) -> list[dict]:
+    args = parser().parse_args(args_list)
     rows = [measure(None), measure("1")]
     for row in rows:
         row["qr_vs_unset"] = row["qr_ms"] / rows[0]["qr_ms"]

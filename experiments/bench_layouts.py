@@ -174,7 +174,7 @@ def measure(variant: str, mesh, model: GPTConfig, tokens, optim: str = "muon") -
     return row
 
 
-def main(args_list: list[str] | None = None) -> list[dict]:
+def parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--small", action="store_true", help="D = 256 (about a minute)")
@@ -184,7 +184,11 @@ def main(args_list: list[str] | None = None) -> list[dict]:
     parser.add_argument("--optim", nargs="+", default=["muon"],
                         choices=[*MATRIX_OPTIMIZERS, "adamw"])
     parser.add_argument("--out", default=None)
-    args = parser.parse_args(args_list)
+    return parser
+
+
+def main(args_list: list[str] | None = None) -> list[dict]:
+    args = parser().parse_args(args_list)
     jax.config.update("jax_num_cpu_devices", 8)
     mesh = make_mesh(MeshConfig(fsdp=8 // args.expert, expert=args.expert))
     model = model_config(args.small, args.layers, args.experts)

@@ -88,12 +88,16 @@ def muon_row(name: str, mesh, experts, rules) -> dict:
             "ns_flops_per_device": muon_flops(experts) / split}
 
 
-def main(args_list: list[str] | None = None) -> list[dict]:
+def parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--small", action="store_true", help="E = 8, D = 128 (about a minute)")
     parser.add_argument("--out", default=None)
-    args = parser.parse_args(args_list)
+    return parser
+
+
+def main(args_list: list[str] | None = None) -> list[dict]:
+    args = parser().parse_args(args_list)
     jax.config.update("jax_num_cpu_devices", 8)
     cfg = model_config(args.small)
     tokens = 2048 if args.small else 4096

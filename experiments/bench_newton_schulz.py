@@ -173,17 +173,22 @@ def restarts_table(small: bool) -> list[dict]:
     return rows
 
 
-def main(args_list: list[str] | None = None) -> list[dict]:
+def parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--small", action="store_true", help="smaller shapes (a few minutes)")
     parser.add_argument("--only", default=",".join(TABLES),
                         help=f"comma list of tables, of {TABLES} (default all)")
     parser.add_argument("--out", default=None)
-    args = parser.parse_args(args_list)
+    return parser
+
+
+def main(args_list: list[str] | None = None) -> list[dict]:
+    cli = parser()
+    args = cli.parse_args(args_list)
     tables = args.only.split(",")
     if unknown := set(tables) - set(TABLES):
-        parser.error(f"unknown tables {sorted(unknown)}; choose from {TABLES}")
+        cli.error(f"unknown tables {sorted(unknown)}; choose from {TABLES}")
     builders = {"variants": variants_table, "methods": methods_table, "restarts": restarts_table}
     rows = [row for name in TABLES if name in tables for row in builders[name](args.small)]
     write_results("bench_newton_schulz", rows, args.out, argv() if args_list is None else args_list)

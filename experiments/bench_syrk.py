@@ -104,7 +104,7 @@ def parse_shapes(text: str) -> list[tuple[int, int]]:
     return [tuple(int(v) for v in item.split("x")) for item in text.split(",") if item]
 
 
-def main(args_list: list[str] | None = None) -> list[dict]:
+def parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--small", action="store_true", help="small shapes (default on CPU)")
@@ -118,7 +118,11 @@ def main(args_list: list[str] | None = None) -> list[dict]:
     parser.add_argument("--sets", type=int, default=3, help="random input sets per shape")
     parser.add_argument("--repeats", type=int, default=5, help="timed calls per input set")
     parser.add_argument("--out", default=None)
-    args = parser.parse_args(args_list)
+    return parser
+
+
+def main(args_list: list[str] | None = None) -> list[dict]:
+    args = parser().parse_args(args_list)
     backend = resolve_backend(args.backend)
     if args.backend == "auto" and backend == "jnp":     # the kernel, not jnp again
         backend = "interpret"

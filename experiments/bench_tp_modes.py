@@ -57,12 +57,16 @@ def measure(t: int, m: int, n: int, mode: str) -> dict:
     return row
 
 
-def main(args_list: list[str] | None = None) -> list[dict]:
+def parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--small", action="store_true", help="smaller shapes (about a minute)")
     parser.add_argument("--out", default=None)
-    args = parser.parse_args(args_list)
+    return parser
+
+
+def main(args_list: list[str] | None = None) -> list[dict]:
+    args = parser().parse_args(args_list)
     jax.config.update("jax_num_cpu_devices", 8)
     rows = []
     for name, (m, n) in (SMALL if args.small else FULL).items():

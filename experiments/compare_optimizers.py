@@ -62,7 +62,7 @@ def compare(steps: int, out_dir: str, variants=tuple(VARIANTS), **overrides) -> 
     return rows
 
 
-def main(args_list: list[str] | None = None) -> list[dict]:
+def parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=None)
@@ -70,7 +70,11 @@ def main(args_list: list[str] | None = None) -> list[dict]:
     parser.add_argument("--only", nargs="+", choices=list(VARIANTS), default=list(VARIANTS),
                         help="variants to train (the first is the ratios' baseline)")
     parser.add_argument("--out", default=None)
-    args = parser.parse_args(args_list)
+    return parser
+
+
+def main(args_list: list[str] | None = None) -> list[dict]:
+    args = parser().parse_args(args_list)
     jax.config.update("jax_num_cpu_devices", 8)
     steps = args.steps or (100 if args.small else tiny().steps)
     rows = compare(steps, "runs", tuple(args.only))

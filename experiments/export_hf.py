@@ -82,12 +82,16 @@ def tokenizer_of(data) -> HFTokenizer | None:
     return None if path in (None, "bytes") else HFTokenizer(path)
 
 
-def main(argv: list[str] | None = None) -> Path:
+def parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("checkpoint", help="RUN_DIR/checkpoints/STEP")
     parser.add_argument("out_dir")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> Path:
+    args = parser().parse_args(argv)
     try:
         out = export(args.checkpoint, args.out_dir)
     except (CheckpointError, ValueError) as err:

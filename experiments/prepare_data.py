@@ -35,7 +35,7 @@ def prepare(source: str | None, out_dir: str | Path, val_fraction: float = 0.05,
     return out
 
 
-def main(argv: list[str] | None = None) -> Path:
+def parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("source")
@@ -43,7 +43,11 @@ def main(argv: list[str] | None = None) -> Path:
     parser.add_argument("--val-fraction", type=float, default=0.05)
     parser.add_argument("--tokenizer", default=None,
                         help="a tokenizer.json or Hugging Face folder (default: bytes)")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> Path:
+    args = parser().parse_args(argv)
     try:
         out = prepare(None if args.source == "stdlib" else args.source, args.out_dir,
                       args.val_fraction, args.tokenizer)

@@ -579,7 +579,7 @@ def selected(args) -> list[str]:
             and (s.group != "megatron" or args.megatron) and s.group != "small"]
 
 
-def main(args_list: list[str] | None = None) -> list[dict]:
+def parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--settings", nargs="+", help="setting names (default: all not slow)")
@@ -590,7 +590,11 @@ def main(args_list: list[str] | None = None) -> list[dict]:
     parser.add_argument("--small", action="store_true",
                         help="bench_layouts' small model and two Megatron configs only")
     parser.add_argument("--out", default=None)
-    args = parser.parse_args(args_list)
+    return parser
+
+
+def main(args_list: list[str] | None = None) -> list[dict]:
+    args = parser().parse_args(args_list)
     from jmegatron.sharding import cost_model as cm
     for name in args.hardware:
         cm.hardware(name)   # fail on a typo before compiling anything

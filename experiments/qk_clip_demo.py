@@ -52,14 +52,18 @@ def table(records: dict[str, list[dict]], every: int) -> str:
     return "\n".join(rows)
 
 
-def main(argv: list[str] | None = None) -> Path:
+def parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--lr", type=float, default=0.1, help="Muon's and AdamW's peak rate")
     parser.add_argument("--tau", type=float, default=30.0, help="the QK-clip threshold")
     parser.add_argument("--out-dir", default="runs/qk_clip_demo")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> Path:
+    args = parser().parse_args(argv)
     jax.config.update("jax_num_cpu_devices", tiny().cpu_devices)   # before JAX starts
     records = run_pair(args.steps, args.lr, args.tau, args.out_dir)
     print(table(records, every=max(args.steps // 6, 1)))

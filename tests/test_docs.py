@@ -1,0 +1,58 @@
+"""The docs (README.md, docs/*.md) against the code: examples run, commands parse,
+links resolve, flags exist. The checks themselves are in tests/docs_check.py.
+
+Conventions for the pages:
+- ```python blocks of a page run in order in one namespace (in a temporary folder),
+  unless the line right above the fence is ``<!-- not run: REASON -->``;
+- the same marker above a ```bash block keeps its commands from being parsed;
+- ``python -m experiments.NAME ARGS`` in ```bash / ```sh blocks must parse;
+- every ``--flag`` in inline code or a shell block is an experiments script's option
+  or one of OTHER_TOOLS below.
+"""
+
+import pytest
+
+import docs_check
+from docs_check import ROOT
+
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+by_name = pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
+
+# Flags the docs give to tools other than the experiments scripts.
+OTHER_TOOLS = {
+    "--preset",                                    # experiments.train, read before tyro
+    "--xla_force_host_platform_device_count",      # XLA (in XLA_FLAGS)
+    "--durations", "--dist",                      # pytest, pytest-xdist (-n 2 --dist loadfile)
+    "--quiet",                                     # pip
+    "--nodes", "--ntasks-per-node", "--gpus-per-node", "--time", "--signal",   # sbatch
+}
+
+
+@pytest.fixture(scope="module")
+def known_flags():
+    return docs_check.script_flags() | OTHER_TOOLS
+
+
+def check(errors):
+    assert not errors, "\n".join(errors)
+
+
+@by_name
+def test_python_examples_run(page, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)   # what examples write stays out of the checkout
+    check(docs_check.run_examples(page))
+
+
+@by_name
+def test_commands_parse(page):
+    check(docs_check.check_commands(page))
+
+
+@by_name
+def test_links_resolve(page):
+    check(docs_check.check_links(page))
+
+
+@by_name
+def test_flags_exist(page, known_flags):
+    check(docs_check.check_flags(page, known_flags))
