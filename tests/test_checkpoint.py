@@ -2,6 +2,7 @@
 resume, preemption, killed saves and bad checkpoints."""
 
 import dataclasses
+import functools
 import json
 import os
 import shlex
@@ -27,6 +28,7 @@ MODEL = GPTConfig(vocab_size=300, d_model=32, n_layers=4, n_heads=4, n_kv_heads=
 TRAIN = TrainConfig(steps=10)
 
 
+@functools.cache   # a setup is the source of some cases and the target of others
 def setup(mesh_config, layout, devices=8, model=MODEL, optim="muon"):
     mesh = make_mesh(mesh_config, jax.devices()[:devices])
     model = model.pad_vocab(mesh.shape["tensor"])   # 384 at tensor 2, 512 at tensor 4
