@@ -81,10 +81,10 @@ def test_the_next_groups_gather_waits_for_and_feeds_no_compute_of_this_group(com
     assert all(g.before_compute for g in loop_collectives(programs[False][0], "all-gather"))
 
 
-def test_prefetch_holds_at_most_three_more_groups(compiled):
-    """Two groups are whole at a time instead of one, and XLA copies the carried
-    group into the layer loop (both passes): measured 2.9 groups more (of 1.3 MB)
-    on XLA:CPU; it must not grow with the number of groups (4 here)."""
+def test_prefetch_holds_at_most_one_more_group(compiled):
+    """Two groups are whole at a time instead of one: measured 0.36 groups more (of
+    1.31 MB) on XLA:CPU with 4 groups; 2.9 when the group's layers ran as a loop of
+    their own, into which XLA copied the carried group."""
     programs, group = compiled
-    assert programs[True][1] <= programs[False][1] + 3 * group, (programs[True][1],
-                                                                   programs[False][1], group)
+    assert programs[True][1] <= programs[False][1] + group, (programs[True][1],
+                                                               programs[False][1], group)

@@ -96,9 +96,9 @@ class GPTConfig:
         padded with zero layers the forward skips (set by the owner layout to the fsdp
         size).
       prefetch: Grouped dense stacks (owner layout): issue group i+1's all-gather before
-        group i runs, in both passes, so GPU/TPU schedulers can hide it; holds about three
-        more groups whole per device (XLA copies the carried group into the per-layer loop;
-        see jmegatron.sharding.prefetch).
+        group i runs, in both passes, so GPU/TPU schedulers can hide it; each group's
+        layers are unrolled, and it holds at most one more group per device (see
+        jmegatron.sharding.prefetch).
       moe: Mixture-of-experts layers (none by default).
     """
 

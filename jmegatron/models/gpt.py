@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 from typing import NamedTuple
 
@@ -134,11 +135,14 @@ class GPT(nnx.Module):
         full, last = divmod(n, group)
         sizes = [group] * full + ([last] if last else [])
 
-        def run(x, whole, size):
-            return jax.lax.scan(one_layer, x, treedef.unflatten([w[:size] for w in whole]))
+        def run(x, whole, size, unroll=1):
+            return jax.lax.scan(one_layer, x, treedef.unflatten([w[:size] for w in whole]),
+                                unroll=unroll)
 
         if not moe and self.cfg.prefetch:   # group i+1's gather issued before group i
-            return run_prefetched(run, x, leaves, axes, ax.LAYERS, sizes)
+            # Unrolled: XLA copies a carried group into a nested loop (prefetch.py).
+            return run_prefetched(functools.partial(run, unroll=True), x, leaves, axes,
+                                  ax.LAYERS, sizes)
 
         # MoE layers run a shard_map of their own, which cannot nest in run_gathered's.
         runner = run_constrained if moe else run_gathered
