@@ -5,8 +5,8 @@ import os
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")   # see experiments/__init__.py
 # Test programs are small: compiling dominates, and LLVM's optimization passes cost
-# more than they save (test_layouts: 93 s instead of about 170 s on 2 cores). The HLO
-# passes, hence every collective and buffer a test checks, are the same.
+# more than they save (test_layouts: 93 s instead of about 170 s on 2 cores). It sets
+# LLVM's level only: every HLO, collective and memory check passes unchanged.
 os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""),
                                     "--xla_backend_optimization_level=0"]).strip()
 
