@@ -290,6 +290,31 @@ def test_owner_gathers_one_group_at_a_time_and_reduce_scatters_gradients(fsdp8):
     assert sum(c.buffer_bytes for c in report.select("all-reduce")) <= others + 16, report.table()
 
 
+def test_layerwise_reduce_scatters_gradients_onto_the_owners(fsdp8):
+    """8 layers on 8 owners: each block leaf's gradient leaves the backward by one
+    reduce-scatter of the whole stack, split as the optimizer state is (no block
+    weight all-reduced); XLA's all-reduce inside the layer loop sent twice the bytes."""
+    layout, optimizer, graphdef, state = build(fsdp8, "layerwise", WIDE)
+    loss_fn = make_loss_fn(graphdef, WIDE, fsdp8, layout.rules)
+    tokens = jax.device_put(batches()[0], jax.NamedSharding(fsdp8, jax.P(("data", "fsdp"))))
+    grad = jax.jit(jax.grad(lambda p: loss_fn(p, tokens)[0]))
+    report = hlo_collectives(grad, state.params)
+    blocks = state.params["blocks"]
+    assert report.count("reduce-scatter", ("fsdp",)) == len(jax.tree.leaves(blocks)), \
+        report.table()
+    scattered = sum(c.buffer_bytes * c.executions for c in report.select("reduce-scatter"))
+    assert scattered == total_bytes(blocks), report.table()
+    others = sum(x.nbytes for k, x in state.params.items() if k != "blocks")
+    assert sum(c.buffer_bytes * c.executions for c in report.select("all-reduce")) \
+        <= others + 16, report.table()
+    # Split like the optimizer state: its update slices nothing.
+    held = {leaf.path: leaf.held for leaf in optimizer.plan.leaves if leaf.is_matrix}
+    for path, g in jax.tree.leaves_with_path(grad(state.params)["blocks"]):
+        key = "['blocks']" + jax.tree_util.keystr(path).removesuffix(".value")
+        if key in held:
+            assert g.sharding.is_equivalent_to(jax.NamedSharding(fsdp8, held[key]), g.ndim), key
+
+
 def test_owner_does_not_keep_every_groups_weights_for_the_backward(fsdp8):
     """Peak temporary memory of forward + backward: within two groups' weights of
     fsdp's (the gathered group and its gradient), not the whole model's."""

@@ -16,6 +16,7 @@ from jmegatron.models.moe import MoEBlock
 from jmegatron.sharding import rules as ax
 from jmegatron.sharding.prefetch import run_prefetched
 from jmegatron.sharding.rules import constrain, logical_axes_of, run_constrained, run_gathered
+from jmegatron.sharding.scatter import run_stack
 
 _REMAT = {
     "full": jax.checkpoint_policies.nothing_saveable,
@@ -121,9 +122,14 @@ class GPT(nnx.Module):
         if self.cfg.remat != "none":
             one_layer = jax.checkpoint(one_layer, policy=_REMAT[self.cfg.remat])
         group = self.cfg.layer_group
+        treedef, leaves = jax.tree.structure(state), jax.tree.leaves(state)
         if group == 1:
-            if n < jax.tree.leaves(state)[0].shape[0]:
+            if n < leaves[0].shape[0]:
                 state = jax.tree.map(lambda a: a[start:start + n], state)
+            elif not moe:   # a whole dense stack: gradients to the layerwise owners
+                return run_stack(lambda x, whole: jax.lax.scan(one_layer, x,
+                                                               treedef.unflatten(whole)),
+                                 x, leaves)
             return jax.lax.scan(one_layer, x, state)
         # [G, g, ...] (a whole stack: the config keeps each kind's layers in one
         # run): each group of g whole layers (each kept on its own rank under the
@@ -131,7 +137,6 @@ class GPT(nnx.Module):
         # The last group may end in padding slots, which it skips.
         axes = [logical_axes_of(v)[1:] for v in
                 jax.tree.leaves(state, is_leaf=lambda v: isinstance(v, nnx.Variable))]
-        treedef, leaves = jax.tree.structure(state), jax.tree.leaves(state)
         full, last = divmod(n, group)
         sizes = [group] * full + ([last] if last else [])
 

@@ -2,14 +2,16 @@
 
 The layout (``jmegatron.sharding.layouts``) fixes the sharding of params and
 of each matrix stack's state. The stack axis is the first batch axis of the
-matrix view (layers). Under ``layerwise`` it is padded to a multiple of the
-n owners, reordered (matrix i to rank (offset + i) mod n, in slot i // n)
-and split over them, so each rank holds and orthogonalizes whole matrices
-of its own; under ``owner`` the params themselves are split that way; under
+matrix view (layers). Under ``layerwise`` it is split over the n owners, so
+each rank holds and orthogonalizes whole matrices of its own: in contiguous
+blocks where n divides it (as any array is split, so the model can send the
+gradients there directly: ``sharding.scatter``), else padded to a multiple
+of n and reordered (matrix i to rank (offset + i) mod n, in slot i // n);
+under ``owner`` the params themselves are split over the owners; under
 ``fsdp`` the state is split element-wise and Newton-Schulz gathers whole
 matrices first; under ``replicated`` everyone does everything.
 
-A stack split evenly gives every rank the same number of slots; where the
+A stack split evenly gives every rank the same number of matrices; where the
 owners do not divide it, each rank's last slot may be padding, which Muon's
 Newton-Schulz skips (``real_slots``). Which ranks carry the padding of each
 stack is the assignment: round-robin continues from one stack to the next;
@@ -48,6 +50,18 @@ class Placement:
     grouped: bool = False     # stacked [L/g, g, ...] (owner layout)
 
     @property
+    def dealt(self) -> bool:
+        """Padded and dealt round-robin (the owners do not divide the stack);
+        else split in contiguous blocks."""
+        return self.owners > 1 and self.padded != self.length
+
+    def owner_of(self, i: int) -> int:
+        """The owner of matrix i of the stack."""
+        if self.dealt:
+            return (self.offset + i) % self.owners
+        return i // (self.length // self.owners)
+
+    @property
     def blocks(self) -> P:
         """Sharding of per-matrix state [*stack, k, k] (SOAP's factors): the
         stack split like ``state``, each matrix whole."""
@@ -58,10 +72,11 @@ class Placement:
         return dataclasses.replace(self, param=self.blocks, state=self.blocks, stack_axis=0)
 
     def pad(self, x: jax.Array) -> jax.Array:
-        """The stack padded and reordered rank-major: matrix i goes to rank
-        (offset + i) mod n, in its slot i // n, so every rank holds
-        ceil(length / n) slots (its matrices in order, then at most one padding)."""
-        if self.owners == 1:
+        """The stack as its owners hold it: unchanged where the n owners divide it,
+        else padded and reordered rank-major: matrix i goes to rank (offset + i)
+        mod n, in its slot i // n, so every rank holds ceil(length / n) slots (its
+        matrices in order, then at most one padding)."""
+        if not self.dealt:
             return x
         a, n = self.stack_axis, self.owners
         widths = [(0, 0)] * x.ndim
@@ -79,7 +94,7 @@ class Placement:
         return slot * n + (rank - self.offset) % n < self.length
 
     def unpad(self, x: jax.Array) -> jax.Array:
-        if self.owners == 1:
+        if not self.dealt:
             return x
         a, n = self.stack_axis, self.owners
         ranks = x.reshape(x.shape[:a] + (n, self.padded // n) + x.shape[a + 1:])
@@ -147,8 +162,8 @@ def ownership_report(leaves: list[LeafRoute], layout: Layout,
         # split over some owner axes (experts) shares each slot among `share` ranks.
         share = n // where.owners
         costs += [per_stack / (where.length * share)] * (where.length * share)
-        owner += [(where.offset + i) % where.owners * share + t
-                  for i in range(where.length) for t in range(share)]
+        owner += [where.owner_of(i) * share + t for i in range(where.length)
+                  for t in range(share)]
         padding += (where.padded - where.length) * share
         spmd += per_stack / where.length * where.padded / n
     mean = sum(costs) / n

@@ -8,9 +8,10 @@ and which device computes each matrix's update.
               every matrix stack split over the data axes, padded when it
               does not divide, and Muon skips the padding; MoE expert stacks
               keep `expert` and split their layers over the other data axes);
-              ``assignment`` says which rank owns which matrix; gradients reach
-              the owners, owners compute the update, updated params are
-              all-gathered.
+              ``assignment`` says which rank owns which matrix where the owners
+              do not divide a stack; gradients reach the owners (a dense stack
+              the owners divide by one reduce-scatter: ``sharding.scatter``),
+              owners compute the update, updated params are all-gathered.
   fsdp        ZeRO-3: params and state split element-wise over ``fsdp``
               (along ``embed``); Newton-Schulz first gathers each whole
               matrix on every rank ("stock FSDP-Muon", the baseline).
@@ -39,8 +40,8 @@ from typing import ClassVar, Mapping
 from jax.sharding import PartitionSpec as P
 
 from jmegatron.sharding.mesh import BATCH_AXES
-from jmegatron.sharding.rules import (DEFAULT_RULES, LAYER_GROUPS, LAYERS, Rules, logical_to_spec,
-                                     spec_axes, with_rules)
+from jmegatron.sharding.rules import (DEFAULT_RULES, LAYER_GROUPS, LAYER_OWNERS, LAYERS, Rules,
+                                     logical_to_spec, spec_axes, with_rules)
 
 LAYOUTS = ("replicated", "layerwise", "fsdp", "owner")
 ASSIGNMENTS = ("round_robin", "balanced")
@@ -148,7 +149,9 @@ def make_layout(name: str, mesh_shape: Mapping[str, int], rules: Rules = DEFAULT
         return Replicated(replicated_params)
     if name == "layerwise":
         owners = live(BATCH_AXES)
-        return Layerwise(replicated_params, owners, sizes(owners), assignment)
+        # The model's layers send their gradients to the owners (sharding.scatter).
+        return Layerwise(with_rules(replicated_params, **{LAYER_OWNERS: owners or None}), owners,
+                         sizes(owners), assignment)
     if name == "fsdp":
         return FSDP(rules)
     owners = live(("fsdp",))

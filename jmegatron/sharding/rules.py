@@ -22,6 +22,9 @@ from jmegatron.sharding.mesh import BATCH_AXES
 LAYERS, EMBED, MLP, HEADS, KV_HEADS, HEAD_DIM, VOCAB, EXPERTS = (
     "layers", "embed", "mlp", "heads", "kv_heads", "head_dim", "vocab", "experts")
 LAYER_GROUPS = "layer_groups"   # outer axis of block weights stacked [L/g, g, ...]
+# The ranks that own whole layers' optimizer state while the params stay whole on
+# every rank (layerwise): a stack's gradients are reduce-scattered onto them.
+LAYER_OWNERS = "layer_owners"
 QKV = "qkv"     # the query-group / key / value slot of a fused QKV weight
 GLU = "glu"     # the gate / up slot of a fused SwiGLU input weight
 NORM = "norm"   # scale vectors of norms (tiny; replicated)
@@ -41,6 +44,7 @@ Rules = tuple[tuple[str, MeshAxes], ...]
 DEFAULT_RULES: Rules = (
     (LAYER_GROUPS, None),
     (LAYERS, None),
+    (LAYER_OWNERS, None),
     (EMBED, "fsdp"),
     (MLP, "tensor"),
     (HEADS, "tensor"),
