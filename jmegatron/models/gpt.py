@@ -12,10 +12,11 @@ from flax import nnx
 
 from jmegatron.models.config import GPTConfig
 from jmegatron.models.layers import Block, embed_lookup, param, rms_norm
-from jmegatron.models.moe import MoEBlock
+from jmegatron.models.moe import STATS, MoEBlock, runs_on_local_blocks
 from jmegatron.sharding import rules as ax
 from jmegatron.sharding.prefetch import run_prefetched
-from jmegatron.sharding.rules import constrain, logical_axes_of, run_constrained, run_gathered
+from jmegatron.sharding.rules import (active_mesh_and_rules, constrain, logical_axes_of,
+                                     run_constrained, run_gathered)
 from jmegatron.sharding.scatter import run_stack
 
 _REMAT = {
@@ -126,17 +127,19 @@ class GPT(nnx.Module):
         if group == 1:
             if n < leaves[0].shape[0]:
                 state = jax.tree.map(lambda a: a[start:start + n], state)
-            elif not moe:   # a whole dense stack: gradients to the layerwise owners
+            elif not moe:   # a whole dense stack: gradients to the layerwise owners,
+                # summed in the dtype each weight computes in (norm scales: fp32)
+                dtypes = [jnp.float32 if ax.NORM in logical_axes_of(v) else self.cfg.dtype
+                          for v in jax.tree.leaves(state, is_leaf=_is_variable)]
                 return run_stack(lambda x, whole: jax.lax.scan(one_layer, x,
                                                                treedef.unflatten(whole)),
-                                 x, leaves)
+                                 x, leaves, dtypes)
             return jax.lax.scan(one_layer, x, state)
         # [G, g, ...] (a whole stack: the config keeps each kind's layers in one
         # run): each group of g whole layers (each kept on its own rank under the
         # owner layout) is gathered, run, and its gradients sent back to the owners.
         # The last group may end in padding slots, which it skips.
-        axes = [logical_axes_of(v)[1:] for v in
-                jax.tree.leaves(state, is_leaf=lambda v: isinstance(v, nnx.Variable))]
+        axes = [logical_axes_of(v)[1:] for v in jax.tree.leaves(state, is_leaf=_is_variable)]
         full, last = divmod(n, group)
         sizes = [group] * full + ([last] if last else [])
 
@@ -149,8 +152,13 @@ class GPT(nnx.Module):
             return run_prefetched(functools.partial(run, unroll=True), x, leaves, axes,
                                   ax.LAYERS, sizes)
 
-        # MoE layers run a shard_map of their own, which cannot nest in run_gathered's.
-        runner = run_constrained if moe else run_gathered
+        # MoE layers split over more than the batch axes run a shard_map of their
+        # own, which cannot nest in run_gathered's.
+        active = active_mesh_and_rules()
+        if moe and active is not None and not runs_on_local_blocks(*active):
+            runner = run_constrained
+        else:
+            runner = functools.partial(run_gathered, summed=STATS if moe else ())
 
         def run_group(x, group, size=group):
             return runner(lambda x, whole: run(x, whole, size), x, group, axes, ax.LAYERS)
@@ -163,6 +171,10 @@ class GPT(nnx.Module):
             x, last_stats = run_group(x, [leaf[full] for leaf in leaves], last)
             stats.append(last_stats)
         return x, jax.tree.map(lambda *s: jnp.concatenate(s), *stats)
+
+
+def _is_variable(v) -> bool:
+    return isinstance(v, nnx.Variable)
 
 
 def zero_padding(var: nnx.Param, vocab_size: int, axis: int) -> None:
@@ -199,10 +211,9 @@ def real_layers(var) -> int | None:
 
 def grouped_layers(params) -> dict[str, int]:
     """Path (``keystr``) -> real layers, for every grouped variable of ``params``."""
-    is_var = lambda v: isinstance(v, nnx.Variable)
     return {jax.tree_util.keystr(path): real_layers(v)
-            for path, v in jax.tree.leaves_with_path(params, is_leaf=is_var)
-            if is_var(v) and real_layers(v) is not None}
+            for path, v in jax.tree.leaves_with_path(params, is_leaf=_is_variable)
+            if _is_variable(v) and real_layers(v) is not None}
 
 
 def ungroup(params: nnx.State) -> nnx.State:
@@ -216,4 +227,4 @@ def ungroup(params: nnx.State) -> nnx.State:
                         out_sharding=logical_axes_of(v)[1:])
         out.del_metadata("real_layers")
         return out
-    return jax.tree.map(flat, params, is_leaf=lambda v: isinstance(v, nnx.Variable))
+    return jax.tree.map(flat, params, is_leaf=_is_variable)

@@ -47,11 +47,14 @@ from jmegatron.models import dispatch
 from jmegatron.models.config import GPTConfig, MoEConfig
 from jmegatron.models.layers import Attention, SwiGLU, param, rms_norm
 from jmegatron.sharding import rules as ax
-from jmegatron.sharding.rules import active_mesh_and_rules, constrain, logical_to_spec, mesh_axes_of
+from jmegatron.sharding.rules import (Rules, active_mesh_and_rules, constrain, logical_to_spec,
+                                     mesh_axes_of)
 
 # Per-layer statistics: "load" [E] (share of assignments per expert), "dropped"
-# (share dropped), "aux_loss", "z_loss"; stacked [L_moe, ...] by the model.
+# (share dropped), "aux_loss", "z_loss"; stacked [L_moe, ...] by the model. Each
+# is over the whole batch, the same on every rank.
 Stats = dict[str, jax.Array]
+STATS = ("load", "dropped", "aux_loss", "z_loss")
 
 
 class ExpertBias(nnx.Variable):
@@ -91,20 +94,25 @@ def moe_mlp(x: jax.Array, router: jax.Array, bias: jax.Array | None, gate_up: ja
     """The routed experts on x [B, T, D]: (output [B, T, D], stats of this layer).
 
     Without an active mesh (``activation_sharding``) it runs as it is; with one,
-    in ``jax.shard_map`` over the whole mesh (see the module docstring).
+    in ``jax.shard_map`` over the whole mesh (see the module docstring), or, inside
+    one manual over the batch axes already (``rules.run_gathered``; only where no
+    other mesh axis splits the layer: ``runs_on_local_blocks``), on the local blocks.
     """
     active = active_mesh_and_rules()
     if active is None:
         y, sums = _local(x.reshape(-1, x.shape[-1]), router, bias, gate_up, down, cfg)
         return y.reshape(x.shape), _finish(sums, cfg)
     mesh, rules = active
+    manual = tuple(jax.sharding.get_abstract_mesh().manual_axes)   # the batch axes, or none
     live = lambda name: tuple(a for a in mesh_axes_of(name, rules) if mesh.shape[a] > 1)
     # A layer's weights are split as a layer of the stack is: where `layers` takes
     # mesh axes (the owner layout), they no longer split the other dims.
     stacked = mesh_axes_of(ax.LAYERS, rules)
     ep, embed = live(ax.EXPERTS), tuple(a for a in live(ax.EMBED) if a not in stacked)
     # Sums run over size-1 axes too: the specs name them, so values vary over them.
-    batch, tp = mesh_axes_of(ax.BATCH, rules), mesh_axes_of(ax.MLP, rules)
+    # Inside a manual region the other axes are all of size 1 and not manual.
+    batch, tp = (manual, ()) if manual else (mesh_axes_of(ax.BATCH, rules),
+                                             mesh_axes_of(ax.MLP, rules))
     if not set(ep) <= set(batch):
         raise ValueError(f"experts are split over {ep}, which must also split the batch "
                          f"(batch axes {batch}): tokens reach experts by all-to-all over them")
@@ -124,9 +132,22 @@ def moe_mlp(x: jax.Array, router: jax.Array, bias: jax.Array | None, gate_up: ja
         return y.reshape(x_block.shape), _finish(sums, cfg)
 
     no_bias = jnp.zeros((0,), jnp.float32) if bias is None else bias
-    stats_spec = {k: P() for k in ("load", "dropped", "aux_loss", "z_loss")}
+    if manual:
+        return body(x, router, no_bias, gate_up, down)
     return jax.shard_map(body, mesh=mesh, in_specs=(x_spec, *w_specs),
-                         out_specs=(x_spec, stats_spec))(x, router, no_bias, gate_up, down)
+                         out_specs=(x_spec, {k: P() for k in STATS}))(x, router, no_bias,
+                                                                      gate_up, down)
+
+
+def runs_on_local_blocks(mesh: jax.sharding.Mesh, rules: Rules) -> bool:
+    """Whether an MoE layer can run inside a ``shard_map`` manual over the batch axes
+    (``rules.run_gathered``): no mesh axis of size > 1 but the batch axes splits
+    its weights (a ``shard_map`` of its own over the rest would not transpose
+    nested: Shardy, jax 0.10.2)."""
+    batch = set(mesh_axes_of(ax.BATCH, rules))
+    used = {a for name in (ax.EXPERTS, ax.EMBED, ax.MLP, ax.ACT_EMBED)
+            for a in mesh_axes_of(name, rules) if mesh.shape[a] > 1}
+    return used <= batch
 
 
 def _local(x, router, bias, gate_up, down, cfg: MoEConfig, ep_axes=()):

@@ -35,7 +35,8 @@ from typing import Callable, Sequence
 import jax
 import jax.numpy as jnp
 
-from jmegatron.sharding.rules import active_mesh_and_rules, activation_sharding, manual_split
+from jmegatron.sharding.rules import (active_mesh_and_rules, activation_sharding, manual_split,
+                                     varying)
 
 # run(x, whole, size) -> (x, stats): the first ``size`` layers of one group, ``whole``
 # its gathered weights (each leaf [g, ...]); stats per layer and example [size, B, ...],
@@ -193,6 +194,3 @@ def once(i: int, dep: jax.Array) -> jax.Array:
     return jnp.minimum(i, i + late)
 
 
-def varying(x: jax.Array) -> frozenset:
-    """The manual mesh axes ``x`` varies over (inside ``shard_map``)."""
-    return jax.typeof(x).manual_axis_type.varying

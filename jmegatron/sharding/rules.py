@@ -32,6 +32,7 @@ NORM = "norm"   # scale vectors of norms (tiny; replicated)
 BATCH, SEQ = "batch", "seq"
 ACT_EMBED, ACT_MLP, ACT_HEADS, ACT_KV_HEADS, ACT_VOCAB = (
     "act_embed", "act_mlp", "act_heads", "act_kv_heads", "act_vocab")
+ACTIVATION_AXES = (BATCH, SEQ, ACT_EMBED, ACT_MLP, ACT_HEADS, ACT_KV_HEADS, ACT_VOCAB)
 
 MeshAxes = str | tuple[str, ...] | None
 Rules = tuple[tuple[str, MeshAxes], ...]
@@ -175,17 +176,22 @@ def constrain(x: jax.Array, logical_axes: Iterable[str | None]) -> jax.Array:
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
 
 
-def without_axes(rules: Rules, axes: Iterable[str]) -> Rules:
-    """``rules`` with ``axes`` removed from every entry."""
-    drop = set(axes)
+def without_axes(rules: Rules, axes: Iterable[str],
+                 names: Iterable[str] | None = None) -> Rules:
+    """``rules`` with ``axes`` removed from the entries of ``names`` (None: every entry)."""
+    drop, names = set(axes), None if names is None else set(names)
     keep = lambda entry: tuple(a for a in _as_tuple(entry) if a not in drop) or None
-    return tuple((name, keep(entry)) for name, entry in rules)
+    return tuple((name, keep(entry) if names is None or name in names else entry)
+                 for name, entry in rules)
 
 
 def run_gathered(fn: Callable, x: jax.Array, leaves: Sequence[jax.Array],
-                 leaf_axes: Sequence[Sequence[str | None]], name: str):
+                 leaf_axes: Sequence[Sequence[str | None]], name: str,
+                 summed: Iterable[str] = ()):
     """``fn(x, leaves)`` with each leaf gathered whole along its dim ``name`` (dim 0);
-    ``fn`` returns (x, per-layer stats), each stats leaf [layers, B, ...].
+    ``fn`` returns (x, per-layer stats, a dict), each stats leaf [layers, B, ...],
+    except the entries ``summed``: [layers, ...], summed over the whole batch inside
+    ``fn`` (MoE loads), the same on every rank.
 
     Runs in ``jax.shard_map``, manual over the batch axes: each leaf moves by one
     all-gather over the mesh axes that split ``name``, and its gradient comes back
@@ -198,7 +204,7 @@ def run_gathered(fn: Callable, x: jax.Array, leaves: Sequence[jax.Array],
         return fn(x, leaves)
     mesh, rules = active
     split = manual_split(mesh, rules, name, leaf_axes)
-    manual, owners = split.manual, split.owners
+    manual, owners, summed = split.manual, split.owners, set(summed)
 
     # The backward gathers the weights again instead of keeping every group's
     # alive (which would hold all weights on every device): only the outputs of
@@ -207,14 +213,22 @@ def run_gathered(fn: Callable, x: jax.Array, leaves: Sequence[jax.Array],
     @functools.partial(jax.checkpoint,
                        policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
     def body(x_block, *blocks):
+        # Typed as varying over the other batch axes before the gather: the gradient's
+        # sum over them (the cast's transpose) then runs after the reduce-scatter, on
+        # this rank's part only, not on the whole group.
+        blocks = [jax.lax.pcast(b, tuple(a for a in manual if a not in varying(b)),
+                                to="varying") for b in blocks]
         whole = [jax.lax.all_gather(b, owners, axis=0, tiled=True) if owners else b
                  for b in blocks]
         with activation_sharding(jax.sharding.get_abstract_mesh(), split.inner_rules):
-            return fn(x_block, whole)
+            x_block, stats = fn(x_block, whole)
+        return x_block, ({k: v for k, v in stats.items() if k not in summed},
+                         {k: v for k, v in stats.items() if k in summed})
 
-    return jax.shard_map(body, mesh=mesh, in_specs=(split.x_spec, *split.leaf_specs),
-                         out_specs=(split.x_spec, split.stats_spec),
-                         axis_names=set(manual))(x, *leaves)
+    x, (each, whole_batch) = jax.shard_map(
+        body, mesh=mesh, in_specs=(split.x_spec, *split.leaf_specs),
+        out_specs=(split.x_spec, (split.stats_spec, P())), axis_names=set(manual))(x, *leaves)
+    return x, {**each, **whole_batch}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -226,7 +240,8 @@ class ManualSplit:
     owners: tuple[str, ...]            # those that split ``name``
     x_spec: P                          # activations [B, T, D]
     leaf_specs: tuple[P, ...]          # each leaf, over the manual axes only
-    inner_rules: Rules                 # activations inside, over the other axes
+    inner_rules: Rules                 # activations inside, over the other axes; the
+                                       # weights' entries as outside (MoE reads them)
 
     @property
     def stats_spec(self) -> P:
@@ -247,7 +262,7 @@ def manual_split(mesh, rules: Rules, name: str,
                                    for e in spec))
     return ManualSplit(manual, owners, manual_only(logical_to_spec((BATCH, SEQ, ACT_EMBED), rules)),
                        tuple(manual_only(logical_to_spec(axes, rules)) for axes in leaf_axes),
-                       without_axes(rules, manual))
+                       without_axes(rules, manual, ACTIVATION_AXES))
 
 
 def run_constrained(fn: Callable, x: jax.Array, leaves: Sequence[jax.Array],
@@ -272,6 +287,11 @@ def run_constrained(fn: Callable, x: jax.Array, leaves: Sequence[jax.Array],
                       for leaf, axes in zip(leaves, leaf_axes)])
 
     return body(x, leaves)
+
+
+def varying(x: jax.Array) -> frozenset:
+    """The manual mesh axes ``x`` varies over (inside ``shard_map``)."""
+    return jax.typeof(x).manual_axis_type.varying
 
 
 def active_mesh_and_rules() -> tuple[jax.sharding.Mesh, Rules] | None:

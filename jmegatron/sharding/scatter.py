@@ -21,6 +21,7 @@ from __future__ import annotations
 from typing import Callable, Sequence
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from jmegatron.sharding.mesh import axis_size
@@ -32,9 +33,11 @@ from jmegatron.sharding.rules import (LAYER_OWNERS, active_mesh_and_rules, activ
 RunStack = Callable[[jax.Array, list], tuple[jax.Array, dict]]
 
 
-def run_stack(run: RunStack, x: jax.Array, leaves: Sequence[jax.Array]):
+def run_stack(run: RunStack, x: jax.Array, leaves: Sequence[jax.Array],
+              reduce_dtypes: Sequence[jnp.dtype]):
     """``run(x, leaves)``, each leaf's gradient reduce-scattered along dim 0 onto the
-    mesh axes the rules map ``layer_owners`` to (the layerwise layout's owners).
+    mesh axes the rules map ``layer_owners`` to (the layerwise layout's owners), in
+    its ``reduce_dtypes`` entry.
 
     Runs in ``jax.shard_map``, manual over the batch axes; activations inside are
     constrained over the remaining (auto) axes only. Just ``run(x, leaves)``, and
@@ -46,6 +49,9 @@ def run_stack(run: RunStack, x: jax.Array, leaves: Sequence[jax.Array]):
         (its transpose would not lower nested: Shardy, jax 0.10.2).
       x: activations [B, T, D].
       leaves: the stack's weights, each [L, ...], replicated over the batch axes.
+      reduce_dtypes: per leaf, the dtype its gradient is summed in: the one the
+        layers compute with (bf16 matmul weights: half the bytes of fp32), as XLA
+        sums them at the matmuls otherwise.
     """
     active = active_mesh_and_rules()
     if active is None or LAYER_OWNERS not in dict(active[1]):
@@ -61,7 +67,8 @@ def run_stack(run: RunStack, x: jax.Array, leaves: Sequence[jax.Array]):
             return run(x, whole)
 
     def body(x_block, whole, views):
-        return _scattering(inner_run, split.manual, owners)(x_block, whole, views)
+        return _scattering(inner_run, split.manual, owners, reduce_dtypes)(x_block, whole,
+                                                                          views)
 
     n = len(leaves)
     return jax.shard_map(body, mesh=mesh, in_specs=(split.x_spec, [P()] * n, [P(owners)] * n),
@@ -69,7 +76,8 @@ def run_stack(run: RunStack, x: jax.Array, leaves: Sequence[jax.Array]):
                          axis_names=set(split.manual))(x, list(leaves), list(leaves))
 
 
-def _scattering(run: RunStack, manual: tuple[str, ...], owners: tuple[str, ...]):
+def _scattering(run: RunStack, manual: tuple[str, ...], owners: tuple[str, ...],
+                reduce_dtypes: Sequence[jnp.dtype]):
     """``run`` on local blocks: forward on ``whole`` (replicated), the gradient of
     each rank's rows reduce-scattered onto ``views`` (each leaf this rank's
     [L/owners, ...])."""
@@ -89,11 +97,11 @@ def _scattering(run: RunStack, manual: tuple[str, ...], owners: tuple[str, ...])
     def bwd(vjp, cotangents):
         dy, _ = cotangents   # the stats carry no gradient
         dx, d_local = vjp(dy)
-        d_views = [jax.lax.psum_scatter(d, owners, scatter_dimension=0, tiled=True)
-                   for d in d_local]
-        if others:
-            d_views = [jax.lax.psum(d, others) for d in d_views]
-        return dx, None, d_views
+        def reduce(d, dtype):
+            d_sum = jax.lax.psum_scatter(d.astype(dtype), owners, scatter_dimension=0,
+                                         tiled=True)
+            return (jax.lax.psum(d_sum, others) if others else d_sum).astype(d.dtype)
+        return dx, None, [reduce(d, dtype) for d, dtype in zip(d_local, reduce_dtypes)]
 
     loop = jax.custom_vjp(primal)
     loop.defvjp(fwd, bwd)
