@@ -315,6 +315,34 @@ def test_layerwise_reduce_scatters_gradients_onto_the_owners(fsdp8):
             assert g.sharding.is_equivalent_to(jax.NamedSharding(fsdp8, held[key]), g.ndim), key
 
 
+@pytest.mark.parametrize("mesh_config, matrices_in_bf16",
+                         [(MeshConfig(fsdp=8), True), (MeshConfig(fsdp=4, tensor=2), False)],
+                         ids=["batch-only", "tensor2"])
+def test_layerwise_bf16_model_sums_its_gradients_like_fsdp(mesh_config, matrices_in_bf16):
+    """A bf16 model (XLA:CPU aborted on the bf16 sums of a partly manual shard_map):
+    its matrix gradients are reduce-scattered in bf16 where only batch axes are live
+    (XLA:CPU widens them to fp32 and marks the reducer promoted), in fp32 otherwise;
+    the gradients match fsdp's to bf16 round-off."""
+    mesh, model = make_mesh(mesh_config), dataclasses.replace(WIDE, dtype="bfloat16")
+    tokens = jax.device_put(batches()[0], jax.NamedSharding(mesh, jax.P(("data", "fsdp"))))
+    grads = {}
+    for name in ("fsdp", "layerwise"):
+        layout, optimizer, graphdef, state = build(mesh, name, model)
+        loss_fn = make_loss_fn(graphdef, model, mesh, layout.rules)
+        grad = jax.jit(jax.grad(lambda p: loss_fn(p, tokens)[0]))
+        grads[name] = grad(state.params)["blocks"]
+    text = grad.lower(state.params).compile().as_text()
+    scatters = [line for line in text.splitlines() if " reduce-scatter(" in line]
+    assert len(scatters) == len(jax.tree.leaves(state.params["blocks"])), scatters
+    matrices = sum(leaf.is_matrix and leaf.path.startswith("['blocks']")
+                   for leaf in optimizer.plan.leaves)
+    promoted = sum("promoted" in line for line in scatters)
+    assert promoted == (matrices if matrices_in_bf16 else 0), scatters
+    for a, b in zip(jax.tree.leaves(grads["layerwise"]), jax.tree.leaves(grads["fsdp"])):
+        # bf16 keeps 8 bits: a few roundings of partial sums in another order
+        np.testing.assert_allclose(a, b, rtol=0, atol=2e-2 * float(jnp.abs(b).max()))
+
+
 def test_owner_does_not_keep_every_groups_weights_for_the_backward(fsdp8):
     """Peak temporary memory of forward + backward: within two groups' weights of
     fsdp's (the gathered group and its gradient), not the whole model's."""
