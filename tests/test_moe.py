@@ -4,6 +4,7 @@ reference; expert parallelism against one device; communication from the HLO."""
 import dataclasses
 import functools
 import json
+import math
 
 import chex
 import jax
@@ -351,8 +352,10 @@ def test_owner_layout_runs_moe_like_one_device(mesh_config):
 def test_owner_moe_moves_no_more_than_fsdp():
     """Four MoE layers on data 2 x fsdp 2 x expert 2: in ``run_gathered``'s shard_map
     (each group gathered once per pass, its gradients reduce-scattered, the sums
-    over the other batch axes after the scatter) the owner forward + backward moves
-    no more bytes per device than fsdp's; by sharding constraints it moved 1.2x."""
+    over the other batch axes after the scatter, the expert all-to-all's outputs
+    kept for the backward) the owner forward + backward moves no more bytes per
+    device than fsdp's; by sharding constraints it moved 1.2x. With keep_gathered
+    the backward gathers nothing again, and the gradients are the same."""
     import helpers
     from jmegatron.sharding import hlo_collectives
     from jmegatron.train import TrainConfig, make_loss_fn
@@ -362,13 +365,42 @@ def test_owner_moe_moves_no_more_than_fsdp():
     tokens = jax.device_put(jax.random.randint(jax.random.key(0), (B, T + 1), 0, cfg.vocab_size),
                             NamedSharding(mesh, jax.P(("data", "fsdp", "expert"))))
 
-    def moved(layout_name):
-        layout, _, graphdef, state = helpers.build(mesh, layout_name, cfg, TrainConfig(steps=1))
-        loss_fn = make_loss_fn(graphdef, cfg, mesh, layout.rules)
+    def compiled(layout_name, keep_gathered=False):
+        model = dataclasses.replace(cfg, keep_gathered=keep_gathered)
+        layout, _, graphdef, state = helpers.build(mesh, layout_name, model, TrainConfig(steps=1))
+        loss_fn = make_loss_fn(graphdef, model, mesh, layout.rules)
         grad = jax.jit(jax.grad(lambda p: loss_fn(p, tokens)[0]))
-        return hlo_collectives(grad, state.params).bytes_per_device()
+        return hlo_collectives(grad, state.params), grad(state.params), state.params
 
-    assert moved("owner") <= moved("fsdp")
+    moved = lambda report, kind: sum(c.buffer_bytes * c.executions for c in report.select(kind))
+    (fsdp, _, _), (owner, grads, params), (kept, kept_grads, _) = (
+        compiled("fsdp"), compiled("owner"), compiled("owner", keep_gathered=True))
+    assert owner.bytes_per_device() <= fsdp.bytes_per_device()
+    assert moved(owner, "all-to-all") == moved(fsdp, "all-to-all"), owner.table()
+    # One pass of gathers: each group of every block leaf whole on each device,
+    # f = 2 layers of its own shard ([G, f, ...], f split over fsdp).
+    one_pass = sum(2 * math.prod(leaf.sharding.shard_shape(leaf.shape)) * leaf.dtype.itemsize
+                   for leaf in jax.tree.leaves(params["moe_blocks"]))
+    gathered = lambda report: sum(c.buffer_bytes * c.executions
+                                  for c in report.select("all-gather") if c.axes == ("fsdp",))
+    assert gathered(owner) - gathered(kept) == one_pass, (kept.table(), owner.table())
+    assert moved(kept, "reduce-scatter") == moved(owner, "reduce-scatter")
+    chex.assert_trees_all_close(kept_grads, grads, rtol=1e-6, atol=1e-7)
+
+
+def test_keep_gathered_refuses_constraint_gathered_moe_groups():
+    """MoE groups under tensor parallelism are gathered by sharding constraints:
+    keeping their weights is XLA's choice, so the flag raises instead of doing nothing."""
+    import helpers
+    from jmegatron.train import TrainConfig, make_loss_fn
+    cfg = GPTConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=32,
+                    vocab_multiple=32, moe=MOE, keep_gathered=True)
+    mesh = make_mesh(MeshConfig(fsdp=2, expert=2, tensor=2))
+    layout, _, graphdef, state = helpers.build(mesh, "owner", cfg, TrainConfig(steps=1))
+    loss_fn = make_loss_fn(graphdef, cfg, mesh, layout.rules)
+    tokens = jnp.zeros((B, T + 1), jnp.int32)
+    with pytest.raises(ValueError, match="keep_gathered"):
+        jax.eval_shape(lambda p: loss_fn(p, tokens)[0], state.params)
 
 
 def test_each_expert_is_its_own_muon_matrix():

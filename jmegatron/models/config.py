@@ -99,6 +99,10 @@ class GPTConfig:
         group i runs, in both passes, so GPU/TPU schedulers can hide it; each group's
         layers are unrolled, and it holds at most one more group per device (see
         jmegatron.sharding.prefetch).
+      keep_gathered: Grouped stacks without prefetch (owner layout): the backward keeps
+        each group's gathered weights instead of gathering them again (FSDP's
+        reshard_after_forward=False): one all-gather per group fewer, and every
+        group's weights whole on each device until the backward has used them.
       moe: Mixture-of-experts layers (none by default).
     """
 
@@ -122,6 +126,7 @@ class GPTConfig:
     padded_vocab_size: int | None = None
     layer_group: int = 1
     prefetch: bool = False
+    keep_gathered: bool = False
     moe: MoEConfig = MoEConfig()
 
     def __post_init__(self):
@@ -140,6 +145,9 @@ class GPTConfig:
                              f"n_heads={self.n_heads}; set head_dim")
         if self.resolved_head_dim % 2:
             raise ValueError(f"head_dim={self.resolved_head_dim} must be even for RoPE")
+        if self.prefetch and self.keep_gathered:
+            raise ValueError("prefetch gathers each group in both passes; keep_gathered "
+                             "needs prefetch off")
         if self.layer_group < 1:
             raise ValueError(f"layer_group={self.layer_group} must be >= 1")
         if self.moe.n_experts and self.layer_group > 1 and self.moe.every > 1:

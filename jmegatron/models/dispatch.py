@@ -42,6 +42,9 @@ from typing import Sequence
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
+
+from jmegatron.sharding.rules import EXCHANGED
 
 Axes = Sequence[str]
 
@@ -119,12 +122,12 @@ def _padded_exchange(x, token, sorted_experts, counts, gate_up, down, axes, cap)
     src = jnp.clip(first[:, None] + slot, 0, n - 1)                 # [P, cap]
     valid = slot[None] < per_rank[:, None]
     send = jnp.where(valid[..., None], x[token[src]], 0)            # [P, cap, D]
-    recv = lax.all_to_all(send, axes, 0, 0)                         # [P (source), cap, D]
+    recv = _all_to_all(send, axes)                                  # [P (source), cap, D]
     everyone = lax.all_gather(counts, axes)                         # [P, E]: who sends what
     mine = lax.dynamic_slice_in_dim(everyone, lax.axis_index(axes) * e_loc, e_loc, axis=1)
     ids = _ids_from_counts(mine, cap)                               # [P, cap]
     out = _local_experts(recv.reshape(ep * cap, -1), ids.reshape(-1), gate_up, down)
-    back = lax.all_to_all(out.reshape(ep, cap, -1), axes, 0, 0)     # [P (expert rank), cap, D]
+    back = _all_to_all(out.reshape(ep, cap, -1), axes)              # [P (expert rank), cap, D]
     rank = sorted_experts // e_loc                                  # [N] rank of each sorted row
     return back[rank, jnp.arange(n) - first[rank]]                  # [N, D] sorted order
 
@@ -152,9 +155,17 @@ def _ragged_exchange(rows, counts, gate_up, down, axes, cap):
 
 def ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes,
                       *, axis_name):
-    """``jax.lax.ragged_all_to_all`` (a module attribute, so tests can stand in for it on CPU)."""
-    return lax.ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets,
-                                 recv_sizes, axis_name=axis_name)
+    """``jax.lax.ragged_all_to_all`` (a module attribute, so tests can stand in for it on CPU),
+    its output named ``EXCHANGED``."""
+    return checkpoint_name(lax.ragged_all_to_all(operand, output, input_offsets, send_sizes,
+                                                 output_offsets, recv_sizes,
+                                                 axis_name=axis_name), EXCHANGED)
+
+
+def _all_to_all(x: jax.Array, axes) -> jax.Array:
+    """Dim 0 of x [P, ...] exchanged over ``axes``; named ``EXCHANGED``: a backward
+    that recomputes the layer (``rules.run_gathered``) keeps it rather than send it again."""
+    return checkpoint_name(lax.all_to_all(x, axes, 0, 0), EXCHANGED)
 
 
 def capacity(x: jax.Array, experts: jax.Array, gate_up: jax.Array, down: jax.Array,
@@ -177,11 +188,11 @@ def capacity(x: jax.Array, experts: jax.Array, gate_up: jax.Array, down: jax.Arr
     src = jnp.clip(first[:, None] + slot, 0, flat.size - 1)         # [E, cap]
     slots = jnp.where((slot[None] < counts[:, None])[..., None], x[(order // k)[src]], 0)
     if ep > 1:
-        recv = lax.all_to_all(slots.reshape(ep, e_loc, cap, -1), axes, 0, 0)
+        recv = _all_to_all(slots.reshape(ep, e_loc, cap, -1), axes)
         slots = recv.swapaxes(0, 1).reshape(e_loc, ep * cap, -1)    # [E_loc, P*cap, D]
     out = swiglu_batched(slots, gate_up, down)
     if ep > 1:
-        out = lax.all_to_all(out.reshape(e_loc, ep, cap, -1).swapaxes(0, 1), axes, 0, 0)
+        out = _all_to_all(out.reshape(e_loc, ep, cap, -1).swapaxes(0, 1), axes)
     out = out.reshape(n_experts, cap, -1)
     kept = rank < cap
     y = jnp.where(kept[:, None], out[sorted_experts, jnp.minimum(rank, cap - 1)], 0)

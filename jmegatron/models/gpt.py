@@ -156,9 +156,13 @@ class GPT(nnx.Module):
         # own, which cannot nest in run_gathered's.
         active = active_mesh_and_rules()
         if moe and active is not None and not runs_on_local_blocks(*active):
+            if self.cfg.keep_gathered:
+                raise ValueError("keep_gathered: MoE groups under tensor parallelism are "
+                                 "gathered by sharding constraints, which XLA schedules")
             runner = run_constrained
         else:
-            runner = functools.partial(run_gathered, summed=STATS if moe else ())
+            runner = functools.partial(run_gathered, summed=STATS if moe else (),
+                                       keep=self.cfg.keep_gathered)
 
         def run_group(x, group, size=group):
             return runner(lambda x, whole: run(x, whole, size), x, group, axes, ax.LAYERS)

@@ -14,6 +14,7 @@ import math
 from typing import Callable, Iterable, Mapping, Sequence
 
 import jax
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jmegatron.sharding.mesh import BATCH_AXES
@@ -185,9 +186,21 @@ def without_axes(rules: Rules, axes: Iterable[str],
                  for name, entry in rules)
 
 
+# Collective outputs that run_gathered's backward keeps (``checkpoint_name``).
+EXCHANGED = "exchanged"
+_GATHERED = "gathered"   # run_gathered's whole weights, kept with keep=True
+
+
+def _gathered_policy(keep: bool):
+    names = (EXCHANGED, _GATHERED) if keep else (EXCHANGED,)
+    return jax.checkpoint_policies.save_from_both_policies(
+        jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+        jax.checkpoint_policies.save_only_these_names(*names))
+
+
 def run_gathered(fn: Callable, x: jax.Array, leaves: Sequence[jax.Array],
                  leaf_axes: Sequence[Sequence[str | None]], name: str,
-                 summed: Iterable[str] = ()):
+                 summed: Iterable[str] = (), keep: bool = False):
     """``fn(x, leaves)`` with each leaf gathered whole along its dim ``name`` (dim 0);
     ``fn`` returns (x, per-layer stats, a dict), each stats leaf [layers, B, ...],
     except the entries ``summed``: [layers, ...], summed over the whole batch inside
@@ -197,7 +210,9 @@ def run_gathered(fn: Callable, x: jax.Array, leaves: Sequence[jax.Array],
     all-gather over the mesh axes that split ``name``, and its gradient comes back
     by the transpose, one reduce-scatter onto those axes (plus the sum over the
     other batch axes). Inside, activations are constrained over the remaining
-    (auto) axes only. Without an active mesh, just ``fn(x, leaves)``.
+    (auto) axes only. With ``keep`` the backward keeps the gathered leaves rather
+    than gather them again (FSDP's ``reshard_after_forward=False``). Without an
+    active mesh, just ``fn(x, leaves)``.
     """
     active = _ACTIVE.get()
     if active is None:
@@ -206,20 +221,21 @@ def run_gathered(fn: Callable, x: jax.Array, leaves: Sequence[jax.Array],
     split = manual_split(mesh, rules, name, leaf_axes)
     manual, owners, summed = split.manual, split.owners, set(summed)
 
-    # The backward gathers the weights again instead of keeping every group's
-    # alive (which would hold all weights on every device): only the outputs of
-    # the projections are saved, as FSDP does. (A policy that saves everything
-    # but the gathered weights keeps their transposed and cast copies instead.)
-    @functools.partial(jax.checkpoint,
-                       policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
+    # Unless ``keep``, the backward gathers the weights again instead of keeping
+    # every group's alive (which would hold all weights on every device): only the
+    # outputs of the projections are saved, as FSDP does, and those of collectives
+    # named EXCHANGED (the expert all-to-all), which recomputing would send again.
+    # (A policy that saves everything but the gathered weights keeps their
+    # transposed and cast copies instead.)
+    @functools.partial(jax.checkpoint, policy=_gathered_policy(keep))
     def body(x_block, *blocks):
         # Typed as varying over the other batch axes before the gather: the gradient's
         # sum over them (the cast's transpose) then runs after the reduce-scatter, on
         # this rank's part only, not on the whole group.
         blocks = [jax.lax.pcast(b, tuple(a for a in manual if a not in varying(b)),
                                 to="varying") for b in blocks]
-        whole = [jax.lax.all_gather(b, owners, axis=0, tiled=True) if owners else b
-                 for b in blocks]
+        whole = [checkpoint_name(jax.lax.all_gather(b, owners, axis=0, tiled=True), _GATHERED)
+                 if owners else b for b in blocks]
         with activation_sharding(jax.sharding.get_abstract_mesh(), split.inner_rules):
             x_block, stats = fn(x_block, whole)
         return x_block, ({k: v for k, v in stats.items() if k not in summed},
