@@ -62,18 +62,15 @@ def run_stack(run: RunStack, x: jax.Array, leaves: Sequence[jax.Array],
     if not owners or leaves[0].shape[0] % axis_size(mesh, owners):
         return run(x, list(leaves))
 
-    # Manual over every axis where only the batch axes are live: the layers then run
-    # as on one device. Otherwise the other axes stay auto, and the gradients are
-    # summed in fp32: XLA:CPU (jax 0.10.2) aborts on a bf16 sum in a partly manual
-    # shard_map ("Invalid binary instruction opcode copy": its widening to fp32
-    # cannot clone a reducer that ends in a sharding copy).
-    partly = any(mesh.shape[a] > 1 for a in mesh.axis_names if a not in split.manual)
-    if partly:
-        reduce_dtypes = [jnp.promote_types(d, jnp.float32) for d in reduce_dtypes]
+    # Only where no other axis is live: the stack then runs manual over every axis,
+    # as on one device. With tensor axes left auto, Shardy gathered the weights
+    # over them inside (every rank ran whole layers), and XLA:CPU (jax 0.10.2)
+    # aborts on a bf16 sum in a partly manual shard_map.
+    if any(mesh.shape[a] > 1 for a in mesh.axis_names if a not in split.manual):
+        return run(x, list(leaves))
 
     def inner_run(x, whole):
-        inner = (jax.sharding.get_abstract_mesh(), split.inner_rules) if partly else (None,)
-        with activation_sharding(*inner):
+        with activation_sharding(None):
             return run(x, whole)
 
     def body(x_block, whole, views):
@@ -83,8 +80,7 @@ def run_stack(run: RunStack, x: jax.Array, leaves: Sequence[jax.Array],
     n = len(leaves)
     return jax.shard_map(body, mesh=mesh, in_specs=(split.x_spec, [P()] * n, [P(owners)] * n),
                          out_specs=(split.x_spec, split.stats_spec),
-                         axis_names=set(split.manual if partly else mesh.axis_names))(
-        x, list(leaves), list(leaves))
+                         axis_names=set(mesh.axis_names))(x, list(leaves), list(leaves))
 
 
 def _scattering(run: RunStack, manual: tuple[str, ...], owners: tuple[str, ...],
