@@ -1,7 +1,8 @@
 """Optimizer layouts side by side (the MatrixFSDP table).
 
     python -m experiments.bench_layouts [--small] [--layers L] [--experts E [--expert P]]
-                                        [--optim muon soap adamw] [--out PATH]
+                                        [--optim muon soap adamw] [--keep-gathered]
+                                        [--out PATH]
 
 On 8 devices (fsdp = 8), a GPT of 8 layers (or L: 12 puts owner's padding
 to the test) with D = 512 (D = 256 with --small), every MLP a mixture of E
@@ -16,6 +17,9 @@ everything on every rank) with the same optimizer, and for Muon against the
 `optax` row: `optax.contrib.muon` on the same params placed as `fsdp` places
 them, with dimension numbers from jmegatron's routing, where XLA partitions
 Newton-Schulz itself (what a user of optax would run; see ``optax_muon``).
+With --keep-gathered, a row `owner+kept`: owner with ``GPTConfig.keep_gathered``
+(the backward keeps each group's gathered weights, FSDP's
+reshard_after_forward=False).
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ from jmegatron.train.optimizer import (MATRIX_OPTIMIZERS, Optimizer, make_optimi
 from jmegatron.train.step import make_loss_fn, make_train_step
 
 OPTAX = "optax"   # the row of optax.contrib.muon on fsdp-placed params
+KEPT = "owner+kept"   # owner with GPTConfig.keep_gathered (--keep-gathered)
 
 
 def model_config(small: bool, layers: int = 8, experts: int = 0) -> GPTConfig:
@@ -101,8 +106,11 @@ def optax_muon(train: TrainConfig, optimizer: Optimizer) -> Optimizer:
            else None)   # None: optax's width scale sqrt(max(1, fan_out / fan_in)), "shape"
     adam_lr = optimizer.schedule if a.lr is None else make_schedule(train.schedule, a.lr,
                                                                        train.steps)
+    # One triple for a constant schedule: optax's own form (an unrolled loop, whose
+    # FLOPs XLA's cost analysis counts whole), the same matmuls as the per-step form.
+    coeffs = schedule[0] if len(set(schedule)) == 1 else tuple(schedule)
     tx = optax.contrib.muon(
-        optimizer.schedule, ns_coeffs=tuple(schedule), ns_steps=len(schedule),
+        optimizer.schedule, ns_coeffs=tuple(coeffs), ns_steps=len(schedule),
         beta=m.momentum, eps=a.eps, weight_decay=train.weight_decay, nesterov=True,
         adam_b1=a.b1, adam_b2=a.b2, adam_weight_decay=train.weight_decay,
         adam_learning_rate=adam_lr, consistent_rms=rms,
@@ -127,9 +135,10 @@ def _missing_in_optax(train: TrainConfig) -> list[str]:
 def measure(variant: str, mesh, model: GPTConfig, tokens, optim: str = "muon") -> dict:
     layout_name, _, assignment = variant.partition("/")   # "layerwise/balanced"
     assignment = assignment or "round_robin"
-    layout = make_layout("fsdp" if variant == OPTAX else layout_name, mesh.shape,
-                         assignment=assignment)
-    cfg = dataclasses.replace(model, layer_group=layout.layer_group)
+    keep = variant == KEPT
+    layout = make_layout("fsdp" if variant == OPTAX else "owner" if keep else layout_name,
+                         mesh.shape, assignment=assignment)
+    cfg = dataclasses.replace(model, layer_group=layout.layer_group, keep_gathered=keep)
     train = TrainConfig(steps=10, grad_clip=0.0, schedule=ScheduleConfig(warmup_steps=0),
                         optim=optim)
     make_model = lambda: GPT(cfg, nnx.Rngs(0))
@@ -183,6 +192,8 @@ def parser() -> argparse.ArgumentParser:
     parser.add_argument("--expert", type=int, default=1, help="expert-parallel ranks P")
     parser.add_argument("--optim", nargs="+", default=["muon"],
                         choices=[*MATRIX_OPTIMIZERS, "adamw"])
+    parser.add_argument("--keep-gathered", action="store_true",
+                        help=f"a row {KEPT!r}: owner keeping the gathered groups for the backward")
     parser.add_argument("--out", default=None)
     return parser
 
@@ -196,7 +207,8 @@ def main(args_list: list[str] | None = None) -> list[dict]:
         jax.random.randint(jax.random.key(0), (8, 129), 0, model.vocab_size),
         jax.NamedSharding(mesh, jax.P(("data", "fsdp", "expert"))))
     # Where the owners do not divide the layers, the balanced layerwise assignment too.
-    variants = LAYOUTS + (("layerwise/balanced",) if args.layers % 8 else ())
+    variants = (LAYOUTS + (("layerwise/balanced",) if args.layers % 8 else ())
+                + ((KEPT,) if args.keep_gathered else ()))
     # optax.contrib.muon is the baseline of Muon only (optax has no SOAP; AdamW is optax's).
     rows = [measure(name, mesh, model, tokens, optim) for optim in args.optim
             for name in variants + ((OPTAX,) if optim == "muon" else ())]
