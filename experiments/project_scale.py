@@ -85,6 +85,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import json
 import os
 import re
@@ -94,8 +95,11 @@ import tempfile
 import time
 
 from experiments.bench_common import argv, print_table, write_results
+from experiments.bench_layouts import OPTAX
 
 LAYOUT_NAMES = ("replicated", "layerwise", "fsdp", "owner")
+# The optax row: optax.contrib.muon on the fsdp layout's params (bench_layouts' OPTAX).
+WITH_OPTAX = LAYOUT_NAMES + (OPTAX,)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,7 +112,7 @@ class Setting:
     batch: int                      # global B (sequences)
     seq: int                        # T
     optim: str = "muon"
-    layouts: tuple[str, ...] = LAYOUT_NAMES
+    layouts: tuple[str, ...] = WITH_OPTAX
     slow: bool = False              # opt-in (--slow): compiles for longer than a few minutes
     group: str = "scale"            # "scale", or "megatron" (the paper check)
 
@@ -132,8 +136,12 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("llama-7b/fsdp32", "llama-7b", {"fsdp": 32}, 32, 4096),
     Setting("llama-7b/fsdp64", "llama-7b", {"fsdp": 64}, 64, 4096),
     Setting("llama-7b/fsdp8-tp8", "llama-7b", {"fsdp": 8, "tensor": 8}, 8, 4096),
-    Setting("qwen3-30b-a3b/fsdp4-ep8", "qwen3-30b-a3b", {"fsdp": 4, "expert": 8}, 32, 4096),
-    Setting("qwen3-30b-a3b/fsdp8-ep8", "qwen3-30b-a3b", {"fsdp": 8, "expert": 8}, 64, 4096),
+    # No optax row: optax.contrib.muon orthogonalizes a leaf as a batch of equal
+    # matrices, and grouped-query Q/K/V blocks are not (bench_layouts.optax_muon).
+    Setting("qwen3-30b-a3b/fsdp4-ep8", "qwen3-30b-a3b", {"fsdp": 4, "expert": 8}, 32, 4096,
+            layouts=LAYOUT_NAMES),
+    Setting("qwen3-30b-a3b/fsdp8-ep8", "qwen3-30b-a3b", {"fsdp": 8, "expert": 8}, 64, 4096,
+            layouts=LAYOUT_NAMES),
     *_megatron_settings(),
 )
 
@@ -183,11 +191,17 @@ def model_config(name: str, tensor: int = 1):
 # --------------------------------------------------------------------------- compiling
 
 
-def train_config(s: Setting):
+def train_config(s: Setting, layout_name: str):
     from jmegatron.train import ScheduleConfig, TrainConfig
     from jmegatron.train.config import MuonConfig
-    # The small setting keeps bench_layouts' exact config (its bytes are compared).
-    muon = MuonConfig() if s.group == "small" else MuonConfig(ns_dtype="bfloat16")
+    if layout_name == OPTAX:
+        # optax's own coefficients, 5 steps (as many matmuls as the other rows'), in
+        # the params' dtype (fp32): optax.contrib.muon has no bf16 Newton-Schulz.
+        muon = MuonConfig(ns_coefficients="simple", ns_steps=5)
+    elif s.group == "small":   # bench_layouts' exact config (its bytes are compared)
+        muon = MuonConfig()
+    else:
+        muon = MuonConfig(ns_dtype="bfloat16")
     return TrainConfig(steps=10, grad_clip=0.0, schedule=ScheduleConfig(warmup_steps=0),
                        optim=s.optim, muon=muon)
 
@@ -204,15 +218,19 @@ def abstract_program(s: Setting, layout_name: str, devices=None):
     from jmegatron.sharding.layouts import make_layout
     from jmegatron.train.optimizer import make_optimizer
     from jmegatron.train.state import TrainState, train_state_shardings
+    from experiments.bench_layouts import optax_muon
 
     devices = list(jax.devices() if devices is None else devices)[:s.devices]
     mesh = make_mesh(MeshConfig(**{"fsdp": 1, **s.mesh}), devices)
-    layout = make_layout(layout_name, mesh.shape)
+    layout = make_layout("fsdp" if layout_name == OPTAX else layout_name, mesh.shape)
     cfg = dataclasses.replace(model_config(s.model, mesh.shape["tensor"]),
                               layer_group=layout.layer_group)
     make_model = lambda: GPT(cfg, nnx.Rngs(0))
     graphdef, abstract_params = nnx.split(nnx.eval_shape(make_model))
-    optimizer = make_optimizer(train_config(s), abstract_params, mesh, layout)
+    train = train_config(s, layout_name)
+    optimizer = make_optimizer(train, abstract_params, mesh, layout)
+    if layout_name == OPTAX:
+        optimizer = optax_muon(train, optimizer)
 
     def init():   # create_train_state's init, only traced
         params = nnx.split(make_model())[1]
@@ -435,9 +453,11 @@ def add_projections(rows: list[dict], hardware: list[str]) -> None:
             r.update(project_row(r, hw))
     for r in rows:
         same = {x["variant"]: x for x in rows if x["setting"] == r["setting"]}
-        for hw in hardware:
-            if "fsdp" in same:
-                r[f"{hw}_step_vs_fsdp"] = same["fsdp"][f"{hw}_step_ms"] / r[f"{hw}_step_ms"]
+        for hw, base in itertools.product(hardware, ("fsdp", OPTAX)):
+            if base in same:   # the baseline's time over the row's: above 1 is faster
+                for step in ("step", "opt"):
+                    r[f"{hw}_{step}_vs_{base}"] = (same[base][f"{hw}_{step}_ms"]
+                                                   / r[f"{hw}_{step}_ms"])
 
 
 def print_model_tables(rows: list[dict], hardware: list[str]) -> None:
@@ -451,7 +471,11 @@ def print_model_tables(rows: list[dict], hardware: list[str]) -> None:
         columns += [(f"{hw}_step_ms", f"{hw} step ms", ".0f"),
                     (f"{hw}_step_overlap_ms", "(overlap)", ".0f"),
                     (f"{hw}_opt_ms", f"{hw} opt ms", ".1f"),
-                    (f"{hw}_step_vs_fsdp", "vs fsdp", ".2f"), (f"{hw}_fits_text", "fits", "")]
+                    (f"{hw}_step_vs_fsdp", "step vs fsdp", ".2f"),
+                    (f"{hw}_step_vs_{OPTAX}", f"vs {OPTAX}", ".2f"),
+                    (f"{hw}_opt_vs_fsdp", "opt vs fsdp", ".2f"),
+                    (f"{hw}_opt_vs_{OPTAX}", f"vs {OPTAX}", ".2f"),
+                    (f"{hw}_fits_text", "fits", "")]
     for model in dict.fromkeys(r["model"] for r in rows):
         mine = [dict(r, train_gb=r["train_bytes_per_device"] / 1e9,
                      train_gpu_gb=r["train_gpu_bytes_per_device"] / 1e9,
@@ -483,7 +507,11 @@ def anchors(rows: list[dict]) -> list[dict]:
     for claim, published, name, slow, fast, hw in (
             ("MatrixFSDP, 1 node of 8 A100", "4.2x (747 -> 175 ms)", "llama-7b/fsdp8",
              "fsdp", "owner", "a100"),
+            ("MatrixFSDP, 1 node of 8 A100", "4.2x (747 -> 175 ms)", "llama-7b/fsdp8",
+             OPTAX, "owner", "a100"),
             ("MatrixFSDP, 8 nodes (64 A100)", "54.6x", "llama-7b/fsdp64", "fsdp", "owner",
+             "a100"),
+            ("MatrixFSDP, 8 nodes (64 A100)", "54.6x", "llama-7b/fsdp64", OPTAX, "owner",
              "a100"),
             ("Megatron layer-wise Muon, 32 GB300", "4.0x (632 -> 157 ms)", "llama-7b/fsdp32",
              "replicated", "layerwise", "gb300"),

@@ -28,9 +28,10 @@ MODEL = GPTConfig(vocab_size=259, d_model=64, n_layers=2, n_heads=4, n_kv_heads=
 DimNums = optax.contrib.MuonDimensionNumbers
 
 
-def train_config(scale: str) -> TrainConfig:
+def train_config(scale: str, coefficients: str = "quintic") -> TrainConfig:
     return TrainConfig(lr=1e-2, steps=3, grad_clip=0.0, weight_decay=0.1,
-                       schedule=ScheduleConfig(warmup_steps=0), muon=MuonConfig(scale=scale))
+                       schedule=ScheduleConfig(warmup_steps=0),
+                       muon=MuonConfig(scale=scale, ns_coefficients=coefficients))
 
 
 def abstract_params(model=MODEL):
@@ -77,11 +78,13 @@ def one_update(tx, state, grads):
 
 # spectral (bench_layouts' setting; optax's consistent_rms) is symmetric in fan-in
 # and fan-out, as orthogonalization is; the shape scale sqrt(max(1, out/in)) is
-# not, so it also catches reduction and output axes swapped.
-@pytest.mark.parametrize("scale", ["spectral", "shape"])
-def test_first_step_matches_jmegatron_muon(scale):
+# not, so it also catches reduction and output axes swapped. "simple" is one
+# constant triple, which optax_muon hands over in optax's one-triple form.
+@pytest.mark.parametrize("scale, coefficients", [("spectral", "quintic"), ("shape", "quintic"),
+                                                 ("spectral", "simple")])
+def test_first_step_matches_jmegatron_muon(scale, coefficients):
     mesh = make_mesh(MeshConfig(fsdp=8))
-    train = train_config(scale)
+    train = train_config(scale, coefficients)
     layout, ours, _, state = helpers.build(mesh, "fsdp", MODEL, train)
     theirs = optax_muon(train, ours)
     model = dataclasses.replace(MODEL, layer_group=layout.layer_group)

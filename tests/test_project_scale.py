@@ -23,7 +23,7 @@ def measured():
     """project_scale's programs and rows of the small setting, every layout (compiled
     from abstract inputs)."""
     out = {}
-    for name in ps.LAYOUT_NAMES:
+    for name in SMALL.layouts:
         programs = ps.build_programs(SMALL, name)
         out[name] = programs, ps.compile_layout(SMALL, name, fwd_bwd=(name == "owner"),
                                                 programs=programs)
@@ -35,7 +35,7 @@ def rows(measured):
     return {name: row for name, (_, row) in measured.items()}
 
 
-@pytest.mark.parametrize("layout_name", ps.LAYOUT_NAMES)
+@pytest.mark.parametrize("layout_name", SMALL.layouts)
 def test_abstract_bytes_equal_the_allocated_programs(measured, layout_name):
     """The same jitted steps on allocated state and tokens (bench_layouts' inputs):
     JAX reuses the compiled program only where the abstract inputs' shapes and
