@@ -291,6 +291,36 @@ def test_owner_gathers_one_group_at_a_time_and_reduce_scatters_gradients(fsdp8):
     assert sum(c.buffer_bytes for c in report.select("all-reduce")) <= others + 16, report.table()
 
 
+def test_owner_under_tensor_parallelism_keeps_the_weights_split():
+    """fsdp 4 x tensor 2: the groups are gathered by sharding constraints, only over
+    fsdp; in run_gathered's shard_map (manual over fsdp only) Shardy had gathered
+    them over tensor too (every rank ran whole layers: 4.5 MB per device against
+    fsdp's 2.5 MB). The tensor collectives are the layers' all-reduces, as fsdp's;
+    beyond fsdp's bytes only the norm scales, which owner gathers with their group
+    in both passes and fsdp replicates."""
+    mesh = make_mesh(MeshConfig(fsdp=4, tensor=2))
+    tokens = jax.device_put(batches()[0], jax.NamedSharding(mesh, jax.P(("data", "fsdp"))))
+    reports = {}
+    for name in ("fsdp", "owner"):
+        layout, _, graphdef, state = build(mesh, name, WIDE)
+        loss_fn = make_loss_fn(graphdef, WIDE, mesh, layout.rules)
+        reports[name] = hlo_collectives(jax.jit(jax.grad(lambda p: loss_fn(p, tokens)[0])),
+                                        state.params)
+    owner, fsdp = reports["owner"], reports["fsdp"]
+    assert not owner.select("all-gather", ("tensor",)), owner.table()
+    tensor = lambda report: sorted((c.kind, c.buffer_bytes, c.executions)
+                                   for c in report.select(axes=("tensor",)))
+    assert tensor(owner) == tensor(fsdp), owner.table()
+    norms = sum(v[...].nbytes for v in jax.tree.leaves(state.params["blocks"], is_leaf=_variable)
+                if _variable(v) and "norm" in v.get_metadata()["out_sharding"])
+    assert owner.bytes_per_device() <= fsdp.bytes_per_device() + 2 * 3 / 4 * norms, \
+        (owner.table(), fsdp.table())
+
+
+def _variable(v):
+    return isinstance(v, nnx.Variable)
+
+
 def test_layerwise_reduce_scatters_gradients_onto_the_owners(fsdp8):
     """8 layers on 8 owners: each block leaf's gradient leaves the backward by one
     reduce-scatter of the whole stack, split as the optimizer state is (no block

@@ -349,58 +349,67 @@ def test_owner_layout_runs_moe_like_one_device(mesh_config):
     assert {c.axes for c in report.collectives} <= {("tensor",)}, report.table()
 
 
-def test_owner_moe_moves_no_more_than_fsdp():
-    """Four MoE layers on data 2 x fsdp 2 x expert 2: in ``run_gathered``'s shard_map
-    (each group gathered once per pass, its gradients reduce-scattered, the sums
-    over the other batch axes after the scatter, the expert all-to-all's outputs
-    kept for the backward) the owner forward + backward moves no more bytes per
-    device than fsdp's; by sharding constraints it moved 1.2x. With keep_gathered
-    the backward gathers nothing again, and the gradients are the same."""
+def _moe_gradients(mesh, layout_name, keep_gathered=False):
+    """Four MoE layers: (collectives of the jitted gradient, the gradients, params)."""
     import helpers
     from jmegatron.sharding import hlo_collectives
     from jmegatron.train import TrainConfig, make_loss_fn
-    cfg = GPTConfig(vocab_size=64, d_model=32, n_layers=4, n_heads=4, n_kv_heads=2, d_ff=32,
-                    vocab_multiple=32, moe=dataclasses.replace(MOE, bias_rate=0.01))
-    mesh = make_mesh(MeshConfig(data=2, fsdp=2, expert=2))
-    tokens = jax.device_put(jax.random.randint(jax.random.key(0), (B, T + 1), 0, cfg.vocab_size),
+    model = GPTConfig(vocab_size=64, d_model=32, n_layers=4, n_heads=4, n_kv_heads=2, d_ff=32,
+                      vocab_multiple=32, moe=dataclasses.replace(MOE, bias_rate=0.01),
+                      keep_gathered=keep_gathered)
+    tokens = jax.device_put(jax.random.randint(jax.random.key(0), (B, T + 1), 0,
+                                               model.vocab_size),
                             NamedSharding(mesh, jax.P(("data", "fsdp", "expert"))))
+    layout, _, graphdef, state = helpers.build(mesh, layout_name, model, TrainConfig(steps=1))
+    loss_fn = make_loss_fn(graphdef, model, mesh, layout.rules)
+    grad = jax.jit(jax.grad(lambda p: loss_fn(p, tokens)[0]))
+    return hlo_collectives(grad, state.params), grad(state.params), state.params
 
-    def compiled(layout_name, keep_gathered=False):
-        model = dataclasses.replace(cfg, keep_gathered=keep_gathered)
-        layout, _, graphdef, state = helpers.build(mesh, layout_name, model, TrainConfig(steps=1))
-        loss_fn = make_loss_fn(graphdef, model, mesh, layout.rules)
-        grad = jax.jit(jax.grad(lambda p: loss_fn(p, tokens)[0]))
-        return hlo_collectives(grad, state.params), grad(state.params), state.params
 
-    moved = lambda report, kind: sum(c.buffer_bytes * c.executions for c in report.select(kind))
+def _moved(report, kind, axes=None):
+    return sum(c.buffer_bytes * c.executions for c in report.select(kind, axes))
+
+
+def _one_pass_of_gathers(params):
+    """Each group of every MoE block leaf whole on each device: f = 2 layers of its
+    own shard ([G, f, ...], f split over fsdp)."""
+    return sum(2 * math.prod(leaf.sharding.shard_shape(leaf.shape)) * leaf.dtype.itemsize
+               for leaf in jax.tree.leaves(params["moe_blocks"]))
+
+
+def test_owner_moe_moves_no_more_than_fsdp():
+    """On data 2 x fsdp 2 x expert 2, in ``run_gathered``'s shard_map (each group
+    gathered once per pass, its gradients reduce-scattered, the sums over the other
+    batch axes after the scatter, the expert all-to-all's outputs kept for the
+    backward) the owner forward + backward moves no more bytes per device than
+    fsdp's; by sharding constraints it moved 1.2x. With keep_gathered the backward
+    gathers nothing again, and the gradients are the same."""
+    mesh = make_mesh(MeshConfig(data=2, fsdp=2, expert=2))
     (fsdp, _, _), (owner, grads, params), (kept, kept_grads, _) = (
-        compiled("fsdp"), compiled("owner"), compiled("owner", keep_gathered=True))
+        _moe_gradients(mesh, "fsdp"), _moe_gradients(mesh, "owner"),
+        _moe_gradients(mesh, "owner", keep_gathered=True))
     assert owner.bytes_per_device() <= fsdp.bytes_per_device()
-    assert moved(owner, "all-to-all") == moved(fsdp, "all-to-all"), owner.table()
-    # One pass of gathers: each group of every block leaf whole on each device,
-    # f = 2 layers of its own shard ([G, f, ...], f split over fsdp).
-    one_pass = sum(2 * math.prod(leaf.sharding.shard_shape(leaf.shape)) * leaf.dtype.itemsize
-                   for leaf in jax.tree.leaves(params["moe_blocks"]))
-    gathered = lambda report: sum(c.buffer_bytes * c.executions
-                                  for c in report.select("all-gather") if c.axes == ("fsdp",))
-    assert gathered(owner) - gathered(kept) == one_pass, (kept.table(), owner.table())
-    assert moved(kept, "reduce-scatter") == moved(owner, "reduce-scatter")
+    assert _moved(owner, "all-to-all") == _moved(fsdp, "all-to-all"), owner.table()
+    assert (_moved(owner, "all-gather", ("fsdp",)) - _moved(kept, "all-gather", ("fsdp",))
+            == _one_pass_of_gathers(params)), (kept.table(), owner.table())
+    assert _moved(kept, "reduce-scatter") == _moved(owner, "reduce-scatter")
     chex.assert_trees_all_close(kept_grads, grads, rtol=1e-6, atol=1e-7)
 
 
-def test_keep_gathered_refuses_constraint_gathered_moe_groups():
-    """MoE groups under tensor parallelism are gathered by sharding constraints:
-    keeping their weights is XLA's choice, so the flag raises instead of doing nothing."""
-    import helpers
-    from jmegatron.train import TrainConfig, make_loss_fn
-    cfg = GPTConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=32,
-                    vocab_multiple=32, moe=MOE, keep_gathered=True)
+def test_owner_moe_under_tensor_parallelism_keeps_what_it_is_asked_to():
+    """On fsdp 2 x expert 2 x tensor 2 the groups are gathered by sharding
+    constraints and the MoE layer runs its own shard_map. The expert all-to-all's
+    outputs are still kept for the backward (its bytes equal fsdp's; sent again
+    they were 1.5x), and keep_gathered keeps the gathered groups: one pass of
+    gathers fewer, the same gradients."""
     mesh = make_mesh(MeshConfig(fsdp=2, expert=2, tensor=2))
-    layout, _, graphdef, state = helpers.build(mesh, "owner", cfg, TrainConfig(steps=1))
-    loss_fn = make_loss_fn(graphdef, cfg, mesh, layout.rules)
-    tokens = jnp.zeros((B, T + 1), jnp.int32)
-    with pytest.raises(ValueError, match="keep_gathered"):
-        jax.eval_shape(lambda p: loss_fn(p, tokens)[0], state.params)
+    (fsdp, _, _), (owner, grads, params), (kept, kept_grads, _) = (
+        _moe_gradients(mesh, "fsdp"), _moe_gradients(mesh, "owner"),
+        _moe_gradients(mesh, "owner", keep_gathered=True))
+    assert _moved(owner, "all-to-all") == _moved(fsdp, "all-to-all"), owner.table()
+    assert (_moved(owner, "all-gather", ("fsdp",)) - _moved(kept, "all-gather", ("fsdp",))
+            == _one_pass_of_gathers(params)), (kept.table(), owner.table())
+    chex.assert_trees_all_close(kept_grads, grads, rtol=1e-6, atol=1e-7)
 
 
 def test_each_expert_is_its_own_muon_matrix():

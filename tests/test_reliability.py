@@ -348,6 +348,13 @@ def test_an_unwritable_out_dir_is_refused_before_compiling(tmp_path):
         assert error.endswith("is not writable: Read-only file system")
 
 
+def test_prefetch_with_tensor_parallelism_is_refused_before_compiling(tmp_path):
+    error = main(*SMALL, "--layout", "owner", "--mesh.fsdp", "4", "--mesh.data", "1",
+                 "--model.prefetch", "--out-dir", str(tmp_path))
+    assert error == ("error: --model.prefetch needs --mesh.tensor 1 (got 2): it runs the "
+                     "owner groups manual over the batch axes")
+
+
 def test_a_full_disk_stops_the_run_with_one_line_and_keeps_the_last_checkpoint(
         trained, tmp_path, reader):
     size = sum(f.stat().st_blocks * 512 for f in (trained / "checkpoints" / "6").rglob("*"))

@@ -98,7 +98,8 @@ class GPTConfig:
       prefetch: Grouped dense stacks (owner layout): issue group i+1's all-gather before
         group i runs, in both passes, so GPU/TPU schedulers can hide it; each group's
         layers are unrolled, and it holds at most one more group per device (see
-        jmegatron.sharding.prefetch).
+        jmegatron.sharding.prefetch). Needs a mesh whose only live axes are batch
+        axes (tensor 1).
       keep_gathered: Grouped stacks without prefetch (owner layout): the backward keeps
         each group's gathered weights instead of gathering them again (FSDP's
         reshard_after_forward=False): one all-gather per group fewer, and every

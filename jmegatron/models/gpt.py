@@ -12,11 +12,11 @@ from flax import nnx
 
 from jmegatron.models.config import GPTConfig
 from jmegatron.models.layers import Block, embed_lookup, param, rms_norm
-from jmegatron.models.moe import STATS, MoEBlock, runs_on_local_blocks
+from jmegatron.models.moe import STATS, MoEBlock
 from jmegatron.sharding import rules as ax
 from jmegatron.sharding.prefetch import run_prefetched
 from jmegatron.sharding.rules import (active_mesh_and_rules, constrain, logical_axes_of,
-                                     run_constrained, run_gathered)
+                                     only_batch_axes_live, run_constrained, run_gathered)
 from jmegatron.sharding.scatter import run_stack
 
 _REMAT = {
@@ -147,22 +147,21 @@ class GPT(nnx.Module):
             return jax.lax.scan(one_layer, x, treedef.unflatten([w[:size] for w in whole]),
                                 unroll=unroll)
 
+        # In a shard_map manual over the batch axes only where no other axis is live
+        # (there MoE layers also run on their local blocks); by sharding constraints
+        # otherwise (rules.only_batch_axes_live).
+        active = active_mesh_and_rules()
+        manual = active is None or only_batch_axes_live(active[0].shape, active[1])
         if not moe and self.cfg.prefetch:   # group i+1's gather issued before group i
+            if not manual:
+                raise ValueError("prefetch runs the groups manual over the batch axes: "
+                                 "with tensor parallelism (tensor > 1) leave it off")
             # Unrolled: XLA copies a carried group into a nested loop (prefetch.py).
             return run_prefetched(functools.partial(run, unroll=True), x, leaves, axes,
                                   ax.LAYERS, sizes)
-
-        # MoE layers split over more than the batch axes run a shard_map of their
-        # own, which cannot nest in run_gathered's.
-        active = active_mesh_and_rules()
-        if moe and active is not None and not runs_on_local_blocks(*active):
-            if self.cfg.keep_gathered:
-                raise ValueError("keep_gathered: MoE groups under tensor parallelism are "
-                                 "gathered by sharding constraints, which XLA schedules")
-            runner = run_constrained
-        else:
-            runner = functools.partial(run_gathered, summed=STATS if moe else (),
-                                       keep=self.cfg.keep_gathered)
+        keep = self.cfg.keep_gathered
+        runner = (functools.partial(run_gathered, summed=STATS if moe else (), keep=keep)
+                  if manual else functools.partial(run_constrained, keep=keep))
 
         def run_group(x, group, size=group):
             return runner(lambda x, whole: run(x, whole, size), x, group, axes, ax.LAYERS)

@@ -47,7 +47,7 @@ from jmegatron.models import dispatch
 from jmegatron.models.config import GPTConfig, MoEConfig
 from jmegatron.models.layers import Attention, SwiGLU, param, rms_norm
 from jmegatron.sharding import rules as ax
-from jmegatron.sharding.rules import (Rules, active_mesh_and_rules, constrain, logical_to_spec,
+from jmegatron.sharding.rules import (active_mesh_and_rules, constrain, logical_to_spec,
                                      mesh_axes_of)
 
 # Per-layer statistics: "load" [E] (share of assignments per expert), "dropped"
@@ -96,7 +96,7 @@ def moe_mlp(x: jax.Array, router: jax.Array, bias: jax.Array | None, gate_up: ja
     Without an active mesh (``activation_sharding``) it runs as it is; with one,
     in ``jax.shard_map`` over the whole mesh (see the module docstring), or, inside
     one manual over the batch axes already (``rules.run_gathered``; only where no
-    other mesh axis splits the layer: ``runs_on_local_blocks``), on the local blocks.
+    other mesh axis is live: ``rules.only_batch_axes_live``), on the local blocks.
     """
     active = active_mesh_and_rules()
     if active is None:
@@ -137,17 +137,6 @@ def moe_mlp(x: jax.Array, router: jax.Array, bias: jax.Array | None, gate_up: ja
     return jax.shard_map(body, mesh=mesh, in_specs=(x_spec, *w_specs),
                          out_specs=(x_spec, {k: P() for k in STATS}))(x, router, no_bias,
                                                                       gate_up, down)
-
-
-def runs_on_local_blocks(mesh: jax.sharding.Mesh, rules: Rules) -> bool:
-    """Whether an MoE layer can run inside a ``shard_map`` manual over the batch axes
-    (``rules.run_gathered``): no mesh axis of size > 1 but the batch axes splits
-    its weights (a ``shard_map`` of its own over the rest would not transpose
-    nested: Shardy, jax 0.10.2)."""
-    batch = set(mesh_axes_of(ax.BATCH, rules))
-    used = {a for name in (ax.EXPERTS, ax.EMBED, ax.MLP, ax.ACT_EMBED)
-            for a in mesh_axes_of(name, rules) if mesh.shape[a] > 1}
-    return used <= batch
 
 
 def _local(x, router, bias, gate_up, down, cfg: MoEConfig, ep_axes=()):

@@ -265,6 +265,18 @@ class ManualSplit:
         return P(None, self.x_spec[0])
 
 
+def only_batch_axes_live(mesh_shape: Mapping[str, int], rules: Rules) -> bool:
+    """Whether every mesh axis of size > 1 splits the batch, so that a ``shard_map``
+    manual over the batch axes is manual over every live axis (``run_gathered``,
+    ``scatter.run_stack``, ``prefetch``). Where another axis (tensor) stays auto in
+    such a ``shard_map``, Shardy (jax 0.10.2) replicates the operands of its
+    collectives over that axis: the weights' all-gather gathered them over tensor
+    too, and every rank ran whole layers (3.7x the train-step bytes of a 7B model
+    at fsdp 8 x tensor 8)."""
+    batch = set(mesh_axes_of(BATCH, rules))
+    return all(size == 1 or axis in batch for axis, size in mesh_shape.items())
+
+
 def manual_split(mesh, rules: Rules, name: str,
                  leaf_axes: Sequence[Sequence[str | None]]) -> ManualSplit:
     """The ``ManualSplit`` of leaves with ``leaf_axes``; raises ValueError if
@@ -282,13 +294,15 @@ def manual_split(mesh, rules: Rules, name: str,
 
 
 def run_constrained(fn: Callable, x: jax.Array, leaves: Sequence[jax.Array],
-                    leaf_axes: Sequence[Sequence[str | None]], name: str):
+                    leaf_axes: Sequence[Sequence[str | None]], name: str, keep: bool = False):
     """``fn(x, leaves)`` with each leaf made whole along its dim ``name`` (dim 0) by
     a sharding constraint: XLA picks the collectives (an all-gather forward; the
-    gradients return as it partitions them). For layers with a ``shard_map`` of
-    their own (MoE), which cannot nest in ``run_gathered``'s: the transpose of
-    nested manual computations fails to lower (Shardy, jax 0.10.2). Like there,
-    the backward gathers the weights again rather than keeping them."""
+    gradients return as it partitions them). ``run_gathered``'s counterpart where
+    axes other than the batch axes are live (``only_batch_axes_live``), and for
+    layers with a ``shard_map`` of their own (MoE), which cannot nest in
+    ``run_gathered``'s: the transpose of nested manual computations fails to lower
+    (Shardy, jax 0.10.2). Like there, the backward gathers the weights again
+    unless ``keep``."""
     active = _ACTIVE.get()
     if active is None:
         return fn(x, leaves)
@@ -296,11 +310,11 @@ def run_constrained(fn: Callable, x: jax.Array, leaves: Sequence[jax.Array],
     owners = mesh_axes_of(name, rules)
     whole_spec = lambda axes: logical_to_spec((None, *axes[1:]), rules, exclude=owners)
 
-    @functools.partial(jax.checkpoint,
-                       policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
+    @functools.partial(jax.checkpoint, policy=_gathered_policy(keep))
     def body(x, leaves):
-        return fn(x, [jax.lax.with_sharding_constraint(leaf, NamedSharding(mesh, whole_spec(axes)))
-                      for leaf, axes in zip(leaves, leaf_axes)])
+        return fn(x, [checkpoint_name(jax.lax.with_sharding_constraint(
+            leaf, NamedSharding(mesh, whole_spec(axes))), _GATHERED)
+            for leaf, axes in zip(leaves, leaf_axes)])
 
     return body(x, leaves)
 

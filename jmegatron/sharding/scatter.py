@@ -26,7 +26,7 @@ from jax.sharding import PartitionSpec as P
 
 from jmegatron.sharding.mesh import axis_size
 from jmegatron.sharding.rules import (LAYER_OWNERS, active_mesh_and_rules, activation_sharding,
-                                     manual_split)
+                                     manual_split, only_batch_axes_live)
 
 # run(x, leaves) -> (x, stats): the layers of one stack on its weights (each leaf
 # [L, ...]); stats per layer and example [L, B, ...], which carry no gradient.
@@ -63,10 +63,9 @@ def run_stack(run: RunStack, x: jax.Array, leaves: Sequence[jax.Array],
         return run(x, list(leaves))
 
     # Only where no other axis is live: the stack then runs manual over every axis,
-    # as on one device. With tensor axes left auto, Shardy gathered the weights
-    # over them inside (every rank ran whole layers), and XLA:CPU (jax 0.10.2)
-    # aborts on a bf16 sum in a partly manual shard_map.
-    if any(mesh.shape[a] > 1 for a in mesh.axis_names if a not in split.manual):
+    # as on one device (with tensor axes left auto, Shardy gathers the weights over
+    # them: only_batch_axes_live).
+    if not only_batch_axes_live(mesh.shape, rules):
         return run(x, list(leaves))
 
     def inner_run(x, whole):

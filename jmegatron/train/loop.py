@@ -104,6 +104,9 @@ def plan_run(cfg: TrainConfig) -> Plan:
     layout = make_layout(cfg.layout, mesh.sizes(), assignment=cfg.assignment)
     model = dataclasses.replace(cfg.model.pad_vocab(mesh.tensor), layer_group=layout.layer_group)
     validate_sharding(model.logical_dims(), mesh.sizes(), layout.rules, cfg.microbatch_size)
+    if model.prefetch and not ax.only_batch_axes_live(mesh.sizes(), layout.rules):
+        raise ValueError(f"--model.prefetch needs --mesh.tensor 1 (got {mesh.tensor}): it "
+                         "runs the owner groups manual over the batch axes")
     run_folder.check_out_dir(cfg.out_dir)
     name = cfg.name or time.strftime(   # process 0's clock, on every process
         "%Y%m%d-%H%M%S", time.localtime(same_on_all(int(time.time()))))
