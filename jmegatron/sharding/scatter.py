@@ -39,10 +39,10 @@ def run_stack(run: RunStack, x: jax.Array, leaves: Sequence[jax.Array],
     mesh axes the rules map ``layer_owners`` to (the layerwise layout's owners), in
     its ``reduce_dtypes`` entry.
 
-    Runs in ``jax.shard_map``, manual over the batch axes; activations inside are
-    constrained over the remaining (auto) axes only. Just ``run(x, leaves)``, and
-    XLA's all-reduce, without an active mesh, without owners, or for a stack the
-    owners do not divide (the layerwise state pads and deals those round-robin).
+    Runs in ``jax.shard_map``, manual over every mesh axis. Just ``run(x, leaves)``,
+    and XLA's all-reduce, without an active mesh, without owners, for a stack the
+    owners do not divide (the layerwise state pads and deals those round-robin), or
+    where an axis other than the batch axes is live (``only_batch_axes_live``).
 
     Args:
       run: the layers of one stack (``RunStack``); no ``shard_map`` of its own
