@@ -22,8 +22,9 @@ from jmegatron.data import DataError, load_corpus, tokenizer
 
 def prepare(source: str | None, out_dir: str | Path, val_fraction: float = 0.05,
             tokenizer_path: str | None = None) -> Path:
-    corpus = load_corpus(source, val_fraction, tokenizer_path)
     out = Path(out_dir)
+    check_out_folder(out, DataError)   # before the corpus is read and tokenized
+    corpus = load_corpus(source, val_fraction, tokenizer_path)
     out.mkdir(parents=True, exist_ok=True)
     dtype = tokenizer.token_dtype(corpus.vocab_size)
     corpus.train.astype(dtype).tofile(out / "train.bin")
@@ -33,6 +34,17 @@ def prepare(source: str | None, out_dir: str | Path, val_fraction: float = 0.05,
             "val_tokens": len(corpus.val)}
     (out / "meta.json").write_text(json.dumps(meta, indent=2))
     return out
+
+
+def check_out_folder(out: Path, error: type[Exception]) -> None:
+    """Raises ``error`` (one line) if ``out`` is a file or lies under one, so the
+    folder could never be created."""
+    for path in (out, *out.parents):   # the nearest that exists decides
+        if path.exists():
+            if path.is_dir():
+                return
+            raise error(f"{out} is a file, not a folder" if path == out else
+                        f"{out} cannot be created: {path} is a file, not a folder")
 
 
 def parser() -> argparse.ArgumentParser:

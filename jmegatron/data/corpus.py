@@ -100,29 +100,64 @@ def split_tail(tokens: np.ndarray, val_fraction: float) -> tuple[np.ndarray, np.
 def load_token_files(path: Path, val_fraction: float, tok=None) -> Corpus:
     """A folder with ``train.bin``/``val.bin`` (+ ``meta.json``), or one ``.bin`` file
     whose last ``val_fraction`` becomes validation; decoded by ``tok``, by default
-    the tokenizer meta.json names."""
+    the tokenizer meta.json names. The vocabulary is meta.json's vocab_size, else the
+    tokenizer's; a file holding an id at or above it is refused (DataError)."""
     folder = path if path.is_dir() else path.parent
     meta_path = folder / "meta.json"
-    meta = json.loads(meta_path.read_text()) if meta_path.exists() else {}
+    meta = _read_meta(meta_path)
     dtype = meta.get("dtype", "uint16")
     if dtype not in TOKEN_DTYPES:
         raise DataError(f"{meta_path}: dtype {dtype!r} is not one of {sorted(TOKEN_DTYPES)}")
-    vocab = int(meta.get("vocab_size", tokenizer.VOCAB_SIZE))
     if tok is None:
         try:
             tok = tokenizer.load_tokenizer(meta.get("tokenizer"))
         except ValueError as err:
             raise DataError(f"{meta_path}: {err} (give --data.tokenizer)") from None
+    vocab = int(meta.get("vocab_size", tok.vocab_size))
     if tok.name != "bytes" and tok.vocab_size < vocab:   # (bytes: ids of unknown origin)
         raise DataError(f"{meta_path}: vocab_size {vocab} is larger than tokenizer "
                         f"{tok.name}'s {tok.vocab_size}")
+    where = f"vocab_size in {meta_path}" if "vocab_size" in meta else f"tokenizer {tok.name}"
     if path.is_dir():
-        train = np.memmap(path / "train.bin", dtype=TOKEN_DTYPES[dtype], mode="r")
-        val = np.memmap(path / "val.bin", dtype=TOKEN_DTYPES[dtype], mode="r")
+        train, val = (_tokens(path / f"{split}.bin", dtype, vocab, where)
+                      for split in ("train", "val"))
     else:
-        train, val = split_tail(np.memmap(path, dtype=TOKEN_DTYPES[dtype], mode="r"),
-                                val_fraction)
+        train, val = split_tail(_tokens(path, dtype, vocab, where), val_fraction)
     return Corpus(train, val, str(path), vocab, tok)
+
+
+def _read_meta(meta_path: Path) -> dict:
+    """A token folder's meta.json ({} when there is none)."""
+    if not meta_path.exists():
+        return {}
+    try:
+        meta = json.loads(meta_path.read_bytes())
+    except ValueError:   # JSONDecodeError, UnicodeDecodeError
+        meta = None
+    if not isinstance(meta, dict):
+        raise DataError(f"{meta_path} is not a JSON object (as experiments.prepare_data "
+                        "writes it)")
+    return meta
+
+
+def _tokens(file: Path, dtype: str, vocab: int, where: str) -> np.ndarray:
+    """The ids of a token file, memory-mapped. One max over the file refuses one whose
+    ids reach past the vocabulary (another tokenizer's, or no tokens at all), which
+    the embedding lookup would otherwise silently clamp."""
+    if not file.is_file():
+        raise DataError(f"{file}: no such token file (a token folder holds train.bin, val.bin "
+                        "and meta.json)")
+    if file.stat().st_size == 0:   # np.memmap refuses empty files; empty splits are named later
+        return np.zeros(0, TOKEN_DTYPES[dtype])
+    try:
+        tokens = np.memmap(file, dtype=TOKEN_DTYPES[dtype], mode="r")
+    except ValueError as err:   # a size that is no whole number of ids
+        raise DataError(f"{file}: not {dtype} tokens ({err})") from None
+    top = int(tokens.max())
+    if top >= vocab:
+        raise DataError(f"{file}: largest token id {top} is not below the vocabulary size "
+                        f"{vocab} ({where}): not tokens of this vocabulary")
+    return tokens
 
 
 def load_corpus(path: str | None = None, val_fraction: float = 0.05,

@@ -50,7 +50,9 @@ class Bytes:
 
 class HFTokenizer:
     """A Hugging Face tokenizer file; EOS from tokenizer_config.json's eos_token or
-    the first of ``EOS_NAMES`` it has, PAD from its pad_token or EOS."""
+    the first of ``EOS_NAMES`` it has, PAD from its pad_token or EOS. A file the
+    ``tokenizers`` library refuses, or a tokenizer_config.json that is not JSON,
+    raises ValueError naming it (one line)."""
 
     def __init__(self, path: str | Path):
         from tokenizers import Tokenizer
@@ -60,10 +62,13 @@ class HFTokenizer:
             raise ValueError(f"tokenizer {str(path)!r}: no tokenizer.json there (give a "
                              "tokenizer.json or a Hugging Face model folder)")
         self.file, self.name = file, str(file.resolve())
-        self.tokenizer = Tokenizer.from_file(str(file))
+        try:
+            self.tokenizer = Tokenizer.from_file(str(file))
+        except Exception as err:   # the library raises a bare Exception
+            raise ValueError(f"tokenizer {file} is not a tokenizer.json the tokenizers library "
+                             f"reads ({_first_line(err)})") from None
         self.vocab_size = self.tokenizer.get_vocab_size()
-        config_file = file.parent / "tokenizer_config.json"
-        config = json.loads(config_file.read_text()) if config_file.is_file() else {}
+        config = _config(file.parent / "tokenizer_config.json")
         token = lambda key: _token_name(config.get(key))
         eos_names = [token("eos_token"), *EOS_NAMES]
         ids = [self.tokenizer.token_to_id(n) for n in eos_names if n]
@@ -83,6 +88,23 @@ class HFTokenizer:
     def decode(self, ids) -> str:
         return self.tokenizer.decode([int(i) for i in np.asarray(ids).ravel()],
                                      skip_special_tokens=True)
+
+
+def _first_line(err: BaseException) -> str:
+    return (str(err).strip().splitlines() or [type(err).__name__])[0]
+
+
+def _config(file: Path) -> dict:
+    """tokenizer_config.json beside the tokenizer ({} when absent)."""
+    if not file.is_file():
+        return {}
+    try:
+        config = json.loads(file.read_bytes())
+    except ValueError as err:   # JSONDecodeError, UnicodeDecodeError
+        raise ValueError(f"tokenizer config {file} is not JSON ({_first_line(err)})") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"tokenizer config {file} is not a JSON object")
+    return config
 
 
 def _token_name(entry) -> str | None:

@@ -8,7 +8,9 @@ and up into [D, 2, F]. ``load`` builds every shard of every parameter with
 ``jax.make_array_from_callback``: each device's block is read from the
 layer tensors it covers (the vocabulary rows straight from the file), so no
 host or device ever holds the whole model; the host holds a few layer
-tensors at a time. ``save`` writes the inverse.
+tensors at a time. ``save`` writes the inverse. A damaged file (truncated, not
+JSON, an index entry outside the folder, NaN or infinite weights) is refused
+with one line naming the file and tensor, before it is used.
 
 What maps to what (per layer i, ``model.layers.{i}.`` omitted):
 
@@ -32,7 +34,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-from pathlib import Path
+import math
+from pathlib import Path, PurePosixPath
 
 import jax
 import ml_dtypes
@@ -55,7 +58,8 @@ _INDEX = "model.safetensors.index.json"
 
 
 class HFError(ValueError):
-    """A Hugging Face folder jmegatron cannot read; the message names the field or file."""
+    """A Hugging Face folder jmegatron cannot read or write; the message names the field,
+    file or tensor."""
 
 
 def config_from_hf(path: str | Path, base: GPTConfig = GPTConfig()) -> GPTConfig:
@@ -74,10 +78,10 @@ def config_from_hf(path: str | Path, base: GPTConfig = GPTConfig()) -> GPTConfig
       The config, ``padded_vocab_size`` unset (``pad_vocab`` sets it).
 
     Raises:
-      HFError: a model type or option jmegatron does not have, or a field
-        config.json lacks; the message names it.
+      HFError: a model type or option jmegatron does not have, a field
+        config.json lacks, or a config.json that is not JSON; the message names it.
     """
-    hf = json.loads(_file(Path(path), "config.json").read_text())
+    hf = _json(_file(Path(path), "config.json"))
     try:
         return _config(hf, path, base)
     except KeyError as err:   # one line naming the field, not a traceback
@@ -185,6 +189,17 @@ def _file(folder: Path, name: str) -> Path:
     return folder / name
 
 
+def _json(file: Path) -> dict:
+    """The JSON object in ``file`` (one line naming the file if it is not one)."""
+    try:
+        value = json.loads(file.read_bytes())
+    except ValueError as err:   # JSONDecodeError, UnicodeDecodeError
+        raise HFError(f"{file} is not JSON ({err})") from None
+    if not isinstance(value, dict):
+        raise HFError(f"{file} is not a JSON object")
+    return value
+
+
 # Stored dtypes read (safetensors' numpy reader has no bfloat16, which most
 # published checkpoints use; ml_dtypes, installed with jax, has).
 _DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16}
@@ -204,12 +219,47 @@ def tensor_names(file: Path) -> list[str]:
 
 def _header(file: Path) -> tuple[dict, int]:
     """A safetensors file's header (name -> dtype, shape, data_offsets) and where its
-    data starts: an 8-byte little-endian length, then that much JSON."""
+    data starts: an 8-byte little-endian length, then that much JSON, then the data.
+    Every entry is checked against the file's size, so a read never runs past it."""
+    total = file.stat().st_size
     with open(file, "rb") as f:
         size = int.from_bytes(f.read(8), "little")
-        header = json.loads(f.read(size))
+        if total < 8:
+            raise HFError(f"{file}: truncated safetensors file ({total} bytes, shorter than "
+                          "its 8-byte header length)")
+        if size > total - 8:
+            raise HFError(f"{file}: safetensors header length {size} is larger than the file "
+                          f"({total} bytes): a truncated or damaged file")
+        try:
+            header = json.loads(f.read(size))
+        except ValueError:   # JSONDecodeError, UnicodeDecodeError
+            header = None
+    if not isinstance(header, dict):
+        raise HFError(f"{file}: the safetensors header is not a JSON object")
     header.pop("__metadata__", None)
+    for name, entry in header.items():
+        _check_entry(file, name, entry, total - 8 - size)
     return header, 8 + size
+
+
+def _check_entry(file: Path, name: str, entry, data_bytes: int) -> None:
+    """One header entry names a dtype, a shape and data inside the file, as many bytes
+    as its shape and (readable) dtype need."""
+    try:
+        dtype, shape = entry["dtype"], [int(n) for n in entry["shape"]]
+        begin, end = (int(n) for n in entry["data_offsets"])
+    except (TypeError, KeyError, ValueError):
+        dtype = None
+    if not isinstance(dtype, str):
+        raise HFError(f"{file}: tensor {name} has no dtype, shape and data_offsets in the "
+                      "header")
+    if not 0 <= begin <= end <= data_bytes:
+        raise HFError(f"{file}: tensor {name}'s data_offsets [{begin}, {end}] lie beyond the "
+                      f"file's {data_bytes} data bytes (a truncated or damaged file)")
+    need = math.prod(shape) * np.dtype(_DTYPES[dtype]).itemsize if dtype in _DTYPES else None
+    if need is not None and end - begin != need:
+        raise HFError(f"{file}: tensor {name} has {end - begin} bytes, its shape "
+                      f"{tuple(shape)} and dtype {dtype} need {need}")
 
 
 class _Tensors:
@@ -218,7 +268,7 @@ class _Tensors:
 
     def __init__(self, folder: Path):
         if (folder / _INDEX).is_file():
-            files = set(json.loads((folder / _INDEX).read_text())["weight_map"].values())
+            files = _shard_files(folder / _INDEX)
         else:
             files = {_file(folder, "model.safetensors").name}
         self.entries, self.folder = {}, folder
@@ -226,7 +276,7 @@ class _Tensors:
             header, start = _header(_file(folder, file))
             for name, entry in header.items():
                 self.entries[name] = (folder / file, entry["dtype"], tuple(entry["shape"]),
-                                      start + entry["data_offsets"][0])
+                                      start + int(entry["data_offsets"][0]))
         self.get = functools.lru_cache(maxsize=16)(lambda name: self.rows(name, slice(None)))
 
     def _mapped(self, name: str) -> np.ndarray:
@@ -239,11 +289,31 @@ class _Tensors:
         return np.memmap(file, _DTYPES[dtype], mode="r", offset=offset, shape=shape)
 
     def rows(self, name: str, rows: slice) -> np.ndarray:
-        """Rows of a tensor in fp32, read from the file alone."""
-        return np.asarray(self._mapped(name)[rows], np.float32)
+        """Rows of a tensor in fp32, read from the file alone; refused (HFError naming
+        the tensor and file) if any is NaN or infinite, so no such weight is trained."""
+        block = np.asarray(self._mapped(name)[rows], np.float32)
+        # min and max are NaN or inf when any value is: two passes, no temporary.
+        if block.size and not (np.isfinite(block.min()) and np.isfinite(block.max())):
+            raise HFError(f"{name} in {self.entries[name][0]} has non-finite values")
+        return block
 
     def shape(self, name: str) -> tuple[int, ...]:
         return self._mapped(name).shape
+
+
+def _shard_files(index: Path) -> set[str]:
+    """The files an index's weight_map names, each a path inside the model folder:
+    one that climbs out (``..``) or is absolute is refused before any file is opened.
+    Checked on the names alone: a hub cache's shards are links to files elsewhere."""
+    weight_map = _json(index).get("weight_map")
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise HFError(f"{index} has no weight_map (tensor name -> safetensors file)")
+    for name, file in weight_map.items():
+        parts = PurePosixPath(file).parts if isinstance(file, str) else ()
+        if not parts or file.startswith("/") or ".." in parts:
+            raise HFError(f"{index}: weight_map entry {name} -> {file!r} is not a file inside "
+                          "the model folder")
+    return set(weight_map.values())
 
 
 # Per stacked leaf: one layer's value in jmegatron's layout, from the tensors
@@ -310,7 +380,10 @@ def load(path: str | Path, mesh: jax.sharding.Mesh | None = None, rules: Rules =
 
     Raises:
       HFError: a field of ``cfg`` that differs from the folder's, a missing
-        tensor, or a shape the config does not give.
+        tensor, a shape the config does not give, a file that is not JSON or
+        not a whole safetensors file, an index entry outside the folder, or a
+        tensor with NaN or infinite values (raised by the block readers, it
+        reaches the caller of ``make_array_from_callback`` unchanged).
     """
     folder = Path(path)
     if cfg is None:
@@ -423,6 +496,11 @@ def save(params: nnx.State | GPT, cfg: GPTConfig, path: str | Path,
 
     Returns:
       The folder's path.
+
+    Raises:
+      HFError: a model no Hugging Face family has (``config_to_hf``), or a folder
+        holding weights this save would not overwrite (an index or shards of
+        another model), which readers would mix with the new ones.
     """
     from safetensors.numpy import save_file
     out = Path(path)
@@ -442,6 +520,7 @@ def save(params: nnx.State | GPT, cfg: GPTConfig, path: str | Path,
     names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     if len(shards) == 1:
         names = ["model.safetensors"]
+    _refuse_stale_weights(out, names + [_INDEX] * (len(shards) > 1))
     for name, shard in zip(names, shards):
         save_file(shard, out / name, metadata={"format": "pt"})
     if len(shards) > 1:
@@ -450,6 +529,17 @@ def save(params: nnx.State | GPT, cfg: GPTConfig, path: str | Path,
         (out / _INDEX).write_text(json.dumps(index, indent=2))
     (out / "config.json").write_text(json.dumps(hf, indent=2))
     return out
+
+
+def _refuse_stale_weights(out: Path, writing: list[str]) -> None:
+    """Refuses a folder whose old weights would outlive this save beside the new ones:
+    transformers reads model.safetensors before an index, ``load`` the index first,
+    so each would load another model."""
+    stale = sorted(p.name for p in out.iterdir() if p.name not in writing
+                   and (p.suffix == ".safetensors" or p.name == _INDEX))
+    if stale:
+        raise HFError(f"{out} holds {stale[0]} of another model, which this save would not "
+                      "overwrite: write into an empty folder")
 
 
 def _hf_tensors(leaves: dict, cfg: GPTConfig):
