@@ -10,7 +10,8 @@ layer tensors it covers (the vocabulary rows straight from the file), so no
 host or device ever holds the whole model; the host holds a few layer
 tensors at a time. ``save`` writes the inverse. A damaged file (truncated, not
 JSON, an index entry outside the folder, NaN or infinite weights) is refused
-with one line naming the file and tensor, before it is used.
+with one line naming the file and tensor, before it is used (the reading and
+its checks: ``jmegatron.models.safetensors_file``).
 
 What maps to what (per layer i, ``model.layers.{i}.`` omitted):
 
@@ -32,19 +33,19 @@ What maps to what (per layer i, ``model.layers.{i}.`` omitted):
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
-import math
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 
 import jax
-import ml_dtypes
 import numpy as np
 from flax import nnx
 from jax.sharding import SingleDeviceSharding
 
 from jmegatron.models.config import GPTConfig, MoEConfig
 from jmegatron.models.gpt import GPT, real_layers
+# HFError and tensor_names are re-exported: callers import them from here.
+from jmegatron.models.safetensors_file import (INDEX, HFError, Tensors, model_file,  # noqa: F401
+                                               read_json, tensor_names)
 from jmegatron.models.sharded import state_shardings
 from jmegatron.sharding.rules import DEFAULT_RULES, Rules
 
@@ -54,12 +55,6 @@ ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
 # must be absent or equal to the value here.
 _UNSUPPORTED = {"hidden_act": "silu", "attention_bias": False, "mlp_bias": False,
                 "use_sliding_window": False, "shared_expert_intermediate_size": 0}
-_INDEX = "model.safetensors.index.json"
-
-
-class HFError(ValueError):
-    """A Hugging Face folder jmegatron cannot read or write; the message names the field,
-    file or tensor."""
 
 
 def config_from_hf(path: str | Path, base: GPTConfig = GPTConfig()) -> GPTConfig:
@@ -81,7 +76,7 @@ def config_from_hf(path: str | Path, base: GPTConfig = GPTConfig()) -> GPTConfig
       HFError: a model type or option jmegatron does not have, a field
         config.json lacks, or a config.json that is not JSON; the message names it.
     """
-    hf = _json(_file(Path(path), "config.json"))
+    hf = read_json(model_file(Path(path), "config.json"))
     try:
         return _config(hf, path, base)
     except KeyError as err:   # one line naming the field, not a traceback
@@ -182,143 +177,9 @@ def config_to_hf(cfg: GPTConfig) -> dict:
     return hf
 
 
-def _file(folder: Path, name: str) -> Path:
-    if not (folder / name).is_file():
-        raise HFError(f"{folder}: no {name} (a Hugging Face model folder has config.json "
-                      "and *.safetensors)")
-    return folder / name
-
-
-def _json(file: Path) -> dict:
-    """The JSON object in ``file`` (one line naming the file if it is not one)."""
-    try:
-        value = json.loads(file.read_bytes())
-    except ValueError as err:   # JSONDecodeError, UnicodeDecodeError
-        raise HFError(f"{file} is not JSON ({err})") from None
-    if not isinstance(value, dict):
-        raise HFError(f"{file} is not a JSON object")
-    return value
-
-
-# Stored dtypes read (safetensors' numpy reader has no bfloat16, which most
-# published checkpoints use; ml_dtypes, installed with jax, has).
-_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16}
-
-
-def tensor_names(file: Path) -> list[str]:
-    """The tensors a safetensors file holds.
-
-    Args:
-      file: the safetensors file's path.
-
-    Returns:
-      Their names, in the header's order (metadata left out).
-    """
-    return list(_header(file)[0])
-
-
-def _header(file: Path) -> tuple[dict, int]:
-    """A safetensors file's header (name -> dtype, shape, data_offsets) and where its
-    data starts: an 8-byte little-endian length, then that much JSON, then the data.
-    Every entry is checked against the file's size, so a read never runs past it."""
-    total = file.stat().st_size
-    with open(file, "rb") as f:
-        size = int.from_bytes(f.read(8), "little")
-        if total < 8:
-            raise HFError(f"{file}: truncated safetensors file ({total} bytes, shorter than "
-                          "its 8-byte header length)")
-        if size > total - 8:
-            raise HFError(f"{file}: safetensors header length {size} is larger than the file "
-                          f"({total} bytes): a truncated or damaged file")
-        try:
-            header = json.loads(f.read(size))
-        except ValueError:   # JSONDecodeError, UnicodeDecodeError
-            header = None
-    if not isinstance(header, dict):
-        raise HFError(f"{file}: the safetensors header is not a JSON object")
-    header.pop("__metadata__", None)
-    for name, entry in header.items():
-        _check_entry(file, name, entry, total - 8 - size)
-    return header, 8 + size
-
-
-def _check_entry(file: Path, name: str, entry, data_bytes: int) -> None:
-    """One header entry names a dtype, a shape and data inside the file, as many bytes
-    as its shape and (readable) dtype need."""
-    try:
-        dtype, shape = entry["dtype"], [int(n) for n in entry["shape"]]
-        begin, end = (int(n) for n in entry["data_offsets"])
-    except (TypeError, KeyError, ValueError):
-        dtype = None
-    if not isinstance(dtype, str):
-        raise HFError(f"{file}: tensor {name} has no dtype, shape and data_offsets in the "
-                      "header")
-    if not 0 <= begin <= end <= data_bytes:
-        raise HFError(f"{file}: tensor {name}'s data_offsets [{begin}, {end}] lie beyond the "
-                      f"file's {data_bytes} data bytes (a truncated or damaged file)")
-    need = math.prod(shape) * np.dtype(_DTYPES[dtype]).itemsize if dtype in _DTYPES else None
-    if need is not None and end - begin != need:
-        raise HFError(f"{file}: tensor {name} has {end - begin} bytes, its shape "
-                      f"{tuple(shape)} and dtype {dtype} need {need}")
-
-
-class _Tensors:
-    """The tensors of a folder's safetensors files, memory-mapped by name and read
-    in fp32 (only the pages a read touches come from disk)."""
-
-    def __init__(self, folder: Path):
-        if (folder / _INDEX).is_file():
-            files = _shard_files(folder / _INDEX)
-        else:
-            files = {_file(folder, "model.safetensors").name}
-        self.entries, self.folder = {}, folder
-        for file in sorted(files):
-            header, start = _header(_file(folder, file))
-            for name, entry in header.items():
-                self.entries[name] = (folder / file, entry["dtype"], tuple(entry["shape"]),
-                                      start + int(entry["data_offsets"][0]))
-        self.get = functools.lru_cache(maxsize=16)(lambda name: self.rows(name, slice(None)))
-
-    def _mapped(self, name: str) -> np.ndarray:
-        if name not in self.entries:
-            raise HFError(f"{self.folder}: tensor {name} is missing")
-        file, dtype, shape, offset = self.entries[name]
-        if dtype not in _DTYPES:
-            raise HFError(f"{self.folder}: tensor {name} has dtype {dtype}; readable: "
-                          f"{', '.join(_DTYPES)}")
-        return np.memmap(file, _DTYPES[dtype], mode="r", offset=offset, shape=shape)
-
-    def rows(self, name: str, rows: slice) -> np.ndarray:
-        """Rows of a tensor in fp32, read from the file alone; refused (HFError naming
-        the tensor and file) if any is NaN or infinite, so no such weight is trained."""
-        block = np.asarray(self._mapped(name)[rows], np.float32)
-        # min and max are NaN or inf when any value is: two passes, no temporary.
-        if block.size and not (np.isfinite(block.min()) and np.isfinite(block.max())):
-            raise HFError(f"{name} in {self.entries[name][0]} has non-finite values")
-        return block
-
-    def shape(self, name: str) -> tuple[int, ...]:
-        return self._mapped(name).shape
-
-
-def _shard_files(index: Path) -> set[str]:
-    """The files an index's weight_map names, each a path inside the model folder:
-    one that climbs out (``..``) or is absolute is refused before any file is opened.
-    Checked on the names alone: a hub cache's shards are links to files elsewhere."""
-    weight_map = _json(index).get("weight_map")
-    if not isinstance(weight_map, dict) or not weight_map:
-        raise HFError(f"{index} has no weight_map (tensor name -> safetensors file)")
-    for name, file in weight_map.items():
-        parts = PurePosixPath(file).parts if isinstance(file, str) else ()
-        if not parts or file.startswith("/") or ".." in parts:
-            raise HFError(f"{index}: weight_map entry {name} -> {file!r} is not a file inside "
-                          "the model folder")
-    return set(weight_map.values())
-
-
 # Per stacked leaf: one layer's value in jmegatron's layout, from the tensors
 # under `p` ("model.layers.{i}.").
-def _qkv(t: _Tensors, p: str, cfg: GPTConfig) -> np.ndarray:
+def _qkv(t: Tensors, p: str, cfg: GPTConfig) -> np.ndarray:
     k, g, h = cfg.n_kv_heads, cfg.group_size, cfg.resolved_head_dim
     q = t.get(p + "self_attn.q_proj.weight").reshape(k, g, h, -1)
     kv = [t.get(p + f"self_attn.{n}_proj.weight").reshape(k, 1, h, -1) for n in "kv"]
@@ -394,7 +255,7 @@ def load(path: str | Path, mesh: jax.sharding.Mesh | None = None, rules: Rules =
         if getattr(cfg, field.name) != getattr(want, field.name):
             raise HFError(f"cfg.{field.name}={getattr(cfg, field.name)!r} differs from "
                           f"{folder}'s {getattr(want, field.name)!r}")
-    tensors = _Tensors(folder)
+    tensors = Tensors(folder)
     _check_shapes(tensors, cfg)
     graphdef, abstract = nnx.split(nnx.eval_shape(lambda: GPT(cfg, nnx.Rngs(0))))
     if mesh is None:
@@ -413,7 +274,7 @@ def load(path: str | Path, mesh: jax.sharding.Mesh | None = None, rules: Rules =
     return nnx.merge(graphdef, state)
 
 
-def _check_shapes(t: _Tensors, cfg: GPTConfig) -> None:
+def _check_shapes(t: Tensors, cfg: GPTConfig) -> None:
     """Every layer-0 and top-level tensor has the shape the config says (one line
     naming the first that does not)."""
     d, h, v = cfg.d_model, cfg.resolved_head_dim, cfg.vocab_size
@@ -433,7 +294,7 @@ def _check_shapes(t: _Tensors, cfg: GPTConfig) -> None:
             raise HFError(f"{t.folder}: {name} has shape {t.shape(name)}, the config says {shape}")
 
 
-def _reader(key: str, var, t: _Tensors, cfg: GPTConfig):
+def _reader(key: str, var, t: Tensors, cfg: GPTConfig):
     """index -> the block of leaf ``key`` that a shard with that index holds."""
     if key in ("embed", "head"):
         def vocab_block(index):
@@ -520,13 +381,13 @@ def save(params: nnx.State | GPT, cfg: GPTConfig, path: str | Path,
     names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     if len(shards) == 1:
         names = ["model.safetensors"]
-    _refuse_stale_weights(out, names + [_INDEX] * (len(shards) > 1))
+    _refuse_stale_weights(out, names + [INDEX] * (len(shards) > 1))
     for name, shard in zip(names, shards):
         save_file(shard, out / name, metadata={"format": "pt"})
     if len(shards) > 1:
         index = {"metadata": {"total_size": sum(v.nbytes for v in tensors.values())},
                  "weight_map": {k: n for n, s in zip(names, shards) for k in s}}
-        (out / _INDEX).write_text(json.dumps(index, indent=2))
+        (out / INDEX).write_text(json.dumps(index, indent=2))
     (out / "config.json").write_text(json.dumps(hf, indent=2))
     return out
 
@@ -536,7 +397,7 @@ def _refuse_stale_weights(out: Path, writing: list[str]) -> None:
     transformers reads model.safetensors before an index, ``load`` the index first,
     so each would load another model."""
     stale = sorted(p.name for p in out.iterdir() if p.name not in writing
-                   and (p.suffix == ".safetensors" or p.name == _INDEX))
+                   and (p.suffix == ".safetensors" or p.name == INDEX))
     if stale:
         raise HFError(f"{out} holds {stale[0]} of another model, which this save would not "
                       "overwrite: write into an empty folder")
