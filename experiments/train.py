@@ -62,8 +62,17 @@ def main(argv: list[str] | None = None) -> dict:
         sys.exit(f"error: {err}")
     # Before any JAX operation starts a backend (importing jax does not).
     jax.config.update("jax_num_cpu_devices", cfg.cpu_devices)
+    try:
+        return _run(cfg, argv)
+    except KeyboardInterrupt:   # Ctrl-C before the loop's own handler is installed
+        sys.exit("error: interrupted while starting, before any step was trained: run the "
+                 "same command again to start")
+
+
+def _run(cfg: TrainConfig, argv: list[str]) -> dict:
     from jmegatron.train import distributed, plan_run, train
     from jmegatron.train.checkpoint import CheckpointError
+    from jmegatron.train.lock import RunFolderError
     from jmegatron.models.hf import HFError
     from jmegatron.train.loop import TrainingError
     try:
@@ -73,11 +82,12 @@ def main(argv: list[str] | None = None) -> dict:
     with distributed.fail_fast(cfg.dist.heartbeat_timeout):   # no-op for one process
         try:
             plan = plan_run(cfg)   # every check of mesh, corpus and model; nothing compiled yet
-        except ValueError as err:
+        except (ValueError, ConfigError) as err:
             sys.exit(f"error: {err}")
         try:
             summary = train(cfg, plan, resume_command(argv, plan.run_dir))
-        except (CheckpointError, TrainingError, HFError) as err:   # one line, no trace
+        except (CheckpointError, TrainingError, HFError, RunFolderError,
+                ConfigError) as err:   # one line, no trace
             sys.exit(f"error: {err}")
         if "error" in summary:   # already reported; the checkpoint was saved before it
             sys.exit(1)

@@ -13,3 +13,27 @@ os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""),
 import jax  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
+
+
+import shutil  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def trained(tmp_path_factory) -> Path:
+    """One small run trained by the CLI (6 steps, checkpoints at 2, 4 and 6), shared by
+    the modules that damage, continue or guard copies of it."""
+    from cli_runs import RUN, main
+    base = tmp_path_factory.mktemp("trained")
+    assert main(*RUN, "--out-dir", str(base), "--name", "run") is None
+    return base / "run"
+
+
+@pytest.fixture
+def run(trained, tmp_path) -> Path:
+    """A copy of the trained run folder, in ``tmp_path/runs/run``."""
+    copy = tmp_path / "runs" / "run"
+    shutil.copytree(trained, copy)
+    return copy

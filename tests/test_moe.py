@@ -20,6 +20,7 @@ from jmegatron.models import (GPT, GPTConfig, MoE, MoEConfig, balance_expert_bia
                               create_sharded, cross_entropy, moe_losses, state_shardings,
                               validate_sharding)
 from jmegatron.models import dispatch
+from jmegatron.models.config import ConfigError
 from jmegatron.models.moe import ExpertBias
 from jmegatron.optim import describe, make_plan, muon, scale_by_muon, trainable_params
 from jmegatron.sharding import (DEFAULT_RULES, MeshConfig, activation_sharding,
@@ -471,7 +472,7 @@ def test_layer_pattern_and_parameter_count():
     assert sum(x.size for x in jax.tree.leaves(nnx.state(model))) == mixed.param_count()
     with pytest.raises(ValueError, match="experts=8 is not divisible by expert=16"):
         validate_sharding(CFG.logical_dims(), {"expert": 16}, DEFAULT_RULES)
-    with pytest.raises(ValueError, match=r"owner layout .* needs the dense and MoE layers in "
+    with pytest.raises(ConfigError, match=r"owner layout .* needs the dense and MoE layers in "
                                          r"two runs \(moe.every=1\), not moe.every=2"):
         dataclasses.replace(mixed, layer_group=2)
 

@@ -1,8 +1,8 @@
 """Nothing lost, nothing silent: damaged checkpoints, reused run folders, the resume
 contract, bad numbers, long runs of skipped steps, failures at the end, full disks.
 
-One small run (6 steps, checkpoints at 2, 4 and 6) is trained once for the module;
-each test damages or continues its own copy of it."""
+One small run (6 steps, checkpoints at 2, 4 and 6; conftest's ``trained``) is trained
+once; each test damages or continues its own copy of it (``run``)."""
 
 import contextlib
 import json
@@ -10,7 +10,6 @@ import re
 import shlex
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import jax
@@ -18,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from cli_runs import RUN, SMALL, cli, main
 from experiments import train as train_cli
 from jmegatron.train import TrainConfig, Trainer, run_folder
 from jmegatron.train.checkpoint import (CheckpointConfig, CheckpointDamaged, Checkpointer,
@@ -26,42 +26,6 @@ from jmegatron.train.checksum import checksums_by_leaf, tree_checksums
 from jmegatron.train.loop import perplexity
 from jmegatron.sharding import hlo_collectives
 
-SMALL = ["--model.d-model", "32", "--model.n-layers", "2", "--model.n-heads", "2",
-         "--model.n-kv-heads", "2", "--model.d-ff", "64", "--batch-size", "8", "--seq-len", "32",
-         "--eval-batches", "1", "--sample-tokens", "8", "--no-progress", "--log-every", "1",
-         "--eval-every", "3"]
-RUN = SMALL + ["--steps", "6", "--checkpoint.every", "2"]
-
-
-def main(*args) -> str | None:
-    """Runs the CLI in this process; returns the error line it exits with (None if none)."""
-    try:
-        train_cli.main(list(args))
-    except SystemExit as stop:
-        return stop.code
-    return None
-
-
-def cli(*args) -> subprocess.CompletedProcess:
-    """The CLI in a fresh process, stdout and stderr together."""
-    return subprocess.run([sys.executable, "-m", "experiments.train", *args], timeout=600,
-                          capture_output=True, text=True)
-
-
-@pytest.fixture(scope="module")
-def trained(tmp_path_factory) -> Path:
-    base = tmp_path_factory.mktemp("trained")
-    assert main(*RUN, "--out-dir", str(base), "--name", "run") is None
-    return base / "run"
-
-
-@pytest.fixture
-def run(trained, tmp_path) -> Path:
-    """A copy of the trained run folder, in ``tmp_path/runs/run``."""
-    copy = tmp_path / "runs" / "run"
-    shutil.copytree(trained, copy)
-    return copy
-
 
 @pytest.fixture(scope="module")
 def reader(trained, tmp_path_factory):
@@ -69,7 +33,8 @@ def reader(trained, tmp_path_factory):
     cfg = train_cli.parse(RUN + ["--out-dir", str(tmp_path_factory.mktemp("reader"))])
     trainer = Trainer(cfg, log=lambda *a: None)
     target = abstract_of(trainer.state)
-    return lambda folder, step: Checkpointer(folder).restore(step, target, trainer.codecs)
+    yield lambda folder, step: Checkpointer(folder).restore(step, target, trainer.codecs)
+    trainer.close()
 
 
 def meta(folder: Path, step: int) -> dict:

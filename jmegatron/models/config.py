@@ -9,6 +9,31 @@ from typing import Literal
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
 
 
+class ConfigError(Exception):
+    """A setting no run accepts; the message is one line naming it. Not a ValueError on
+    purpose: the CLI parser (tyro) boxes the ValueErrors of nested settings, and this
+    should reach the user as one line."""
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+def _at_least(config, minimum: int, *names: str, prefix: str = "") -> None:
+    """Each named integer field is at least ``minimum``."""
+    for name in names:
+        value = getattr(config, name)
+        _require(value >= minimum, f"{prefix}{name}={value} must be >= {minimum}")
+
+
+def _finite_positive(config, *names: str, prefix: str = "") -> None:
+    for name in names:
+        value = getattr(config, name)
+        _require(math.isfinite(value) and value > 0,
+                 f"{prefix}{name}={value} must be a finite number > 0")
+
+
 @dataclasses.dataclass(frozen=True)
 class MoEConfig:
     """Mixture-of-experts MLPs (Qwen3-MoE style); ``n_experts=0`` keeps every layer dense.
@@ -55,13 +80,15 @@ class MoEConfig:
     z_loss: float = 0.001
 
     def __post_init__(self):
-        if self.n_experts < 0 or (self.n_experts and not 1 <= self.top_k <= self.n_experts):
-            raise ValueError(f"moe.top_k={self.top_k} must be in [1, n_experts="
-                             f"{self.n_experts}]")
-        if self.every < 1 or self.first_dense < 0 or self.capacity_factor <= 0:
-            raise ValueError(f"moe.every={self.every} must be >= 1, moe.first_dense="
-                             f"{self.first_dense} >= 0, moe.capacity_factor="
-                             f"{self.capacity_factor} > 0")
+        _at_least(self, 0, "n_experts", "first_dense", "shared_d_ff", prefix="moe.")
+        _at_least(self, 1, "d_ff", "every", prefix="moe.")
+        _require(not self.n_experts or 1 <= self.top_k <= self.n_experts,
+                 f"moe.top_k={self.top_k} must be in [1, n_experts={self.n_experts}]")
+        _finite_positive(self, "capacity_factor", prefix="moe.")
+        for name in ("bias_rate", "aux_loss", "z_loss"):
+            value = getattr(self, name)
+            _require(math.isfinite(value) and value >= 0,
+                     f"moe.{name}={value} must be a finite number >= 0")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,36 +159,33 @@ class GPTConfig:
 
     def __post_init__(self):
         object.__setattr__(self, "rope_scaling", tuple(self.rope_scaling))   # JSON gives lists
-        if self.rope_scaling and (len(self.rope_scaling) != 4
-                                  or not 0 < self.rope_scaling[1] < self.rope_scaling[2]):
-            raise ValueError(f"rope_scaling={self.rope_scaling} must be (factor, low_freq_factor, "
-                             "high_freq_factor, original context) with low < high")
-        if self.remat not in REMAT_POLICIES:
-            raise ValueError(f"remat={self.remat!r}; choose one of {REMAT_POLICIES}")
-        if self.n_heads % self.n_kv_heads:
-            raise ValueError(f"n_heads={self.n_heads} is not divisible by "
-                             f"n_kv_heads={self.n_kv_heads}")
-        if self.head_dim is None and self.d_model % self.n_heads:
-            raise ValueError(f"d_model={self.d_model} is not divisible by "
-                             f"n_heads={self.n_heads}; set head_dim")
-        if self.resolved_head_dim % 2:
-            raise ValueError(f"head_dim={self.resolved_head_dim} must be even for RoPE")
-        if self.prefetch and self.keep_gathered:
-            raise ValueError("prefetch gathers each group in both passes; keep_gathered "
-                             "needs prefetch off")
-        if self.layer_group < 1:
-            raise ValueError(f"layer_group={self.layer_group} must be >= 1")
-        if self.moe.n_experts and self.layer_group > 1 and self.moe.every > 1:
-            raise ValueError(f"the owner layout (layer_group={self.layer_group}) gathers each "
-                             "stack group by group, so it needs the dense and MoE layers in two "
-                             f"runs (moe.every=1), not moe.every={self.moe.every}; use the "
-                             "fsdp, replicated or layerwise layout")
-        if self.moe.n_experts and not any(self.moe_layers):
-            raise ValueError(f"moe.first_dense={self.moe.first_dense} and moe.every="
-                             f"{self.moe.every} leave no MoE layer among {self.n_layers}")
-        if self.vocab < self.vocab_size:
-            raise ValueError(f"padded_vocab_size={self.padded_vocab_size} < "
-                             f"vocab_size={self.vocab_size}")
+        _at_least(self, 1, "vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff",
+                  "vocab_multiple", "layer_group")
+        _finite_positive(self, "init_std", "norm_eps", "rope_theta")
+        _require(not self.rope_scaling or (len(self.rope_scaling) == 4
+                                           and 0 < self.rope_scaling[1] < self.rope_scaling[2]),
+                 f"rope_scaling={self.rope_scaling} must be (factor, low_freq_factor, "
+                 "high_freq_factor, original context) with low < high")
+        _require(self.remat in REMAT_POLICIES,
+                 f"remat={self.remat!r}; choose one of {REMAT_POLICIES}")
+        _require(self.n_heads % self.n_kv_heads == 0,
+                 f"n_heads={self.n_heads} is not divisible by n_kv_heads={self.n_kv_heads}")
+        _require(self.head_dim is not None or self.d_model % self.n_heads == 0,
+                 f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}; set "
+                 "head_dim")
+        _require(self.resolved_head_dim > 0 and self.resolved_head_dim % 2 == 0,
+                 f"head_dim={self.resolved_head_dim} must be even and > 0 for RoPE")
+        _require(not (self.prefetch and self.keep_gathered),
+                 "prefetch gathers each group in both passes; keep_gathered needs prefetch off")
+        _require(not (self.moe.n_experts and self.layer_group > 1 and self.moe.every > 1),
+                 f"the owner layout (layer_group={self.layer_group}) gathers each stack group "
+                 "by group, so it needs the dense and MoE layers in two runs (moe.every=1), "
+                 f"not moe.every={self.moe.every}; use the fsdp, replicated or layerwise layout")
+        _require(not self.moe.n_experts or any(self.moe_layers),
+                 f"moe.first_dense={self.moe.first_dense} and moe.every={self.moe.every} leave "
+                 f"no MoE layer among {self.n_layers}")
+        _require(self.vocab >= self.vocab_size,
+                 f"padded_vocab_size={self.padded_vocab_size} < vocab_size={self.vocab_size}")
 
     @property
     def resolved_head_dim(self) -> int:

@@ -6,13 +6,8 @@ import dataclasses
 import math
 from typing import Literal
 
-from jmegatron.models.config import GPTConfig
+from jmegatron.models.config import ConfigError, GPTConfig
 from jmegatron.sharding.mesh import MeshConfig
-
-
-class ConfigError(Exception):
-    """A setting no run accepts. Not a ValueError on purpose: the CLI parser (tyro)
-    boxes ValueErrors of nested settings, and this should reach the user as one line."""
 
 
 def require(flag: str, value, ok: bool, want: str) -> None:
@@ -36,6 +31,12 @@ def beta(v) -> bool:
 
 def fraction(v) -> bool:
     return v is not None and 0 <= v <= 1
+
+
+def _folder_name(name: str) -> bool:
+    """A single path component: no separator, not '', '.' or '..'."""
+    return name not in ("", ".", "..") and "/" not in name and "\\" not in name \
+        and "\0" not in name
 
 
 @dataclasses.dataclass(frozen=True)
@@ -378,6 +379,12 @@ class TrainConfig:
         require("qk-clip-alpha", self.qk_clip_alpha, fraction(self.qk_clip_alpha), "in [0, 1]")
         require("microbatches", self.microbatches, self.batch_size % self.microbatches == 0,
                 f"a divisor of --batch-size {self.batch_size}")
+        if self.overwrite and self.resume:
+            raise ConfigError("--overwrite with --resume: one deletes the run the other "
+                              "continues; give one of them")
+        require("name", self.name, self.name is None or _folder_name(self.name),
+                "one folder name (no '/', '..' or absolute path): run folders stay inside "
+                "--out-dir")
         if self.optim == "adaptive_muon" and self.adaptive_muon.second_moment == "namo":
             require("weight-decay-method", self.weight_decay_method,
                     self.weight_decay_method != "l2", "not l2 with --adaptive-muon.second-moment "

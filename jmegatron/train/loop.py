@@ -127,6 +127,16 @@ class Trainer:
         cfg = resolve_model(cfg)
         plan = plan or plan_run(cfg)
         self.cfg, self.log = cfg, log if is_main() else (lambda *args, **kwargs: None)
+        self.run_dir = plan.run_dir
+        self.claim = run_folder.Claim(plan.run_dir, cfg)   # one trainer per run folder
+        try:
+            self._build(plan, resume_command)
+        except BaseException:   # a failed start leaves nothing that blocks a retry
+            self.claim.release(started=False)
+            raise
+
+    def _build(self, plan: Plan, resume_command: str | None) -> None:
+        cfg = self.cfg
         self.resume_command = resume_command or (
             f"the same settings with --resume --name {plan.run_dir.name} "
             f"--out-dir {plan.run_dir.parent}")
@@ -144,8 +154,7 @@ class Trainer:
         if cfg.init_from and not (cfg.resume or cfg.resume_from):
             self.state = self.state._replace(params=self._initial_params())
         self.codecs = leaf_codecs(self.state, self.optimizer.plan)
-        self.run_dir = plan.run_dir
-        if cfg.overwrite:
+        if cfg.overwrite:   # every check has passed: only now does the old run go
             if is_main():
                 run_folder.clear_run_folder(self.run_dir)
             barrier("jmegatron overwrite")
@@ -181,6 +190,10 @@ class Trainer:
                 raise CheckpointError(f"no checkpoint folder at {path}")
             source = Checkpointer(path, dataclasses.replace(self.cfg.checkpoint,
                                                             async_save=False))
+        if step is not None and step not in source.all_steps():
+            there = ", ".join(map(str, source.all_steps())) or "none"
+            raise CheckpointError(f"no checkpoint at {path / str(step)} (the steps in {path}: "
+                                  f"{there})")
         candidates = [step] if step is not None else source.all_steps()[::-1]
         if not candidates:
             raise CheckpointError(f"no complete checkpoint in {source.directory}")
@@ -255,12 +268,16 @@ class Trainer:
 
     def run(self) -> dict:
         """Trains up to ``cfg.steps`` steps and returns the summary."""
-        run = Run(self)
+        if self.start_step >= self.cfg.steps:
+            return self._finished()
+        run = None
         try:
+            run = Run(self)
             with stop_on_signals() as stop:
                 summary = run.loop(stop)
-        except BaseException:
-            run.close()
+        except BaseException as err:
+            if run is not None:
+                run.close()
             # With several processes an error here is usually a dead peer: waiting for an
             # async save (and its cross-process barrier) would hold this process until the
             # heartbeat ends it. Leave the save unfinished (the last complete checkpoint
@@ -269,10 +286,42 @@ class Trainer:
             if jax.process_count() == 1:
                 with contextlib.suppress(Exception):
                     self.checkpointer.close()
+            self.claim.release(started=run is not None and run.started)
+            if _out_of_memory(err):
+                raise TrainingError(self._out_of_memory_line(err, run)) from None
             raise
         run.close()
         self.checkpointer.close()
+        self.claim.release(started=True)
         return summary
+
+    def close(self) -> None:
+        """Lets go of the run folder without training (a Trainer that is never run)."""
+        self.checkpointer.close()
+        self.claim.release(started=False)
+
+    def _finished(self) -> dict:
+        """--resume of a run that has trained its --steps: says so and changes nothing."""
+        self.checkpointer.close()
+        self.claim.release(started=False)   # removes only a folder this start created
+        summary = {"steps": self.start_step, "run_dir": str(self.run_dir)}
+        with contextlib.suppress(ValueError):   # its numbers, if it wrote them
+            summary = run_folder.read_json(self.run_dir / "summary.json")
+        self.log(f"run {self.run_dir} is finished: its checkpoint is at step {self.start_step} "
+                 f"of --steps {self.cfg.steps}; nothing to do (train on with a larger --steps "
+                 "and --allow-change steps)")
+        return {**summary, "finished": True}
+
+    def _out_of_memory_line(self, err: BaseException, run: "Run | None") -> str:
+        c = self.cfg
+        step = self.start_step + 1 if run is None or not run.started else "a later step"
+        return (f"out of memory at step {step} ({str(err).splitlines()[0][:160]}): lower "
+                f"--batch-size {c.batch_size} or --seq-len {c.seq_len}, raise --microbatches "
+                f"{c.microbatches}, or set --model.remat full")
+
+
+def _out_of_memory(err: BaseException) -> bool:
+    return isinstance(err, jax.errors.JaxRuntimeError) and "RESOURCE_EXHAUSTED" in str(err)
 
 
 class Run:
@@ -289,6 +338,7 @@ class Run:
         if self.main and not resumed_here:
             (self.dir / "samples.txt").write_text("")
         self.skips_in_a_row = 0   # consecutive skipped steps (--max-skipped)
+        self.started = False   # a first step has finished: the run is no failed start
         self.entropy = unigram_entropy(trainer.corpus.val)
         self.flops_per_token = trainer.model_cfg.flops_per_token(cfg.seq_len)
         self.optimizer_flops = trainer.optimizer.flops_per_step
@@ -310,7 +360,7 @@ class Run:
     def _resumes(self) -> list[dict]:
         """Every resume of this run folder (step, source, accepted setting changes)."""
         t, path = self.t, self.dir / "config.json"
-        earlier = (json.loads(path.read_text()).get("resumes", [])
+        earlier = (run_folder.read_json(path).get("resumes", [])
                    if t.cfg.resume and path.exists() else [])
         return earlier + ([t.resumed] if t.resumed else [])
 
@@ -326,6 +376,11 @@ class Run:
             f"{groups.count(g)} leaves {g}" for g in sorted(set(groups))) +
             f" | {t.cfg.optim} matmuls {self.optimizer_flops / 1e9:.2f} GFLOP/step "
             f"(routing and ownership: {self.dir / 'routing.txt'})")
+        warmup = t.cfg.schedule.warmup_steps
+        if warmup > t.cfg.steps:
+            t.log(f"note: --schedule.warmup-steps {warmup} is longer than the run (--steps "
+                  f"{t.cfg.steps}): the warmup is cut to {t.cfg.steps} steps, so the learning "
+                  "rate reaches its peak at the last step and does not decay")
 
     def loop(self, stop: "StopFlag") -> dict:
         t, cfg = self.t, self.t.cfg
@@ -350,6 +405,7 @@ class Run:
                 # Throughput over the interval; the first step (compile) is not timed.
                 dt = (now - mark) / max(done - mark_step, 1)
                 last = self._log_step(done, metrics, float("nan") if first else dt)
+                self.started = True   # the first step ran (its metrics were read)
                 mark, mark_step = now, done
                 bar.set_postfix(loss=f"{last['loss']:.3f}", tok_s=f"{tokens_per_step / dt:,.0f}",
                                 max_logit=f"{last['max_attention_logit']:.1f}")
