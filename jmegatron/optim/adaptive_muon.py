@@ -23,11 +23,12 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from jmegatron.optim import checks
 from jmegatron.optim.coefficients import CoefficientSet
 from jmegatron.optim.matrix import (AdamW, PlanSource, WeightDecayMethod, descend, held_zeros,
                                     scale_by_matrix_optimizer, with_adamw)
-from jmegatron.optim.muon import (ScaleMode, momentum_step, newton_schulz_blocks,
-                                  update_scale)
+from jmegatron.optim.muon import (ScaleMode, check_momentum_args, momentum_step,
+                                  newton_schulz_blocks, update_scale)
 from jmegatron.optim.newton_schulz import NSMethod
 from jmegatron.optim.plan import BLOCKS, HELD, LeafPlan, ShardingPlan, matrix_state
 from jmegatron.optim.routing import Routing, from_matrices, to_matrices
@@ -101,6 +102,10 @@ def scale_by_adaptive_muon(*, second_moment: SecondMoment = "adamuon", beta2: fl
     normalization (module docstring), then ``update_scale(scale, ...)``.
     Newton-Schulz, ``mesh``, ``layout`` and ``plan`` as for ``scale_by_muon``.
 
+    Arguments, leaves and ``plan`` are checked as for ``scale_by_muon``. A NaN
+    or an inf in a block's gradient enters the momentum and v and makes the
+    block's whole update NaN, on that step and every later one.
+
     Args:
       second_moment: "adamuon" (element-wise v), "normuon" (v per row or column)
         or "namo" (one v per matrix, of the gradient's squared norm).
@@ -148,6 +153,10 @@ def scale_by_adaptive_muon(*, second_moment: SecondMoment = "adamuon", beta2: fl
     if second_moment not in get_args(SecondMoment):
         raise ValueError(f"unknown second_moment {second_moment!r}; "
                          f"one of {get_args(SecondMoment)}")
+    checks.fraction("beta2", beta2)
+    checks.positive("eps", eps)   # a zero gradient gives O = 0 and v = 0: 0 / 0
+    check_momentum_args(beta, rms_factor, momentum_dtype)
+    checks.one_of("scale", scale, get_args(ScaleMode))
     source = PlanSource(plan, routing, mesh, layout, rules)
     orthogonal_blocks = newton_schulz_blocks(coefficients, steps, matmul_dtype, syrk, ns_method,
                                              tp_mode, source.placed_on)

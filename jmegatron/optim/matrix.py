@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from jmegatron.optim import checks
 from jmegatron.optim.plan import BLOCKS, HELD, LeafPlan, ShardingPlan, make_plan, state_forms
 from jmegatron.optim.routing import ADAMW, Routing
 from jmegatron.sharding.layouts import Layout
@@ -46,7 +47,7 @@ class AdamW:
     """AdamW for the leaves a matrix optimizer does not take.
 
     Embeddings, the head, norms and biases (see ``Routing``) get ``optax.adamw``
-    with these options.
+    with these options, checked when they are given (``jmegatron.optim.checks``).
 
     Attributes:
       learning_rate: a number or an optax schedule of the step; None: the matrix
@@ -66,6 +67,13 @@ class AdamW:
     eps: float = 1e-8
     weight_decay: float = 0.0
     weight_decay_mask: object = None
+
+    def __post_init__(self):
+        checks.learning_rate(self.learning_rate, "AdamW learning_rate", optional=True)
+        checks.fraction("AdamW b1", self.b1)
+        checks.fraction("AdamW b2", self.b2)
+        checks.positive("AdamW eps", self.eps)   # a zero gradient would give 0 / 0
+        checks.non_negative("AdamW weight_decay", self.weight_decay)
 
     def tx(self, default_lr: optax.ScalarOrSchedule) -> optax.GradientTransformation:
         lr = default_lr if self.learning_rate is None else self.learning_rate
@@ -92,6 +100,21 @@ class PlanSource:
         if self.plan is not None:   # a model's plan covers variables no optimizer trains
             return self.plan.for_optimizer()
         return make_plan(tree, self.mesh, self.layout, self.routing, self.rules)
+
+    def at_init(self, params, who: str) -> ShardingPlan:
+        """The plan, at init; a plan given must be of params of these shapes (one made
+        for another model would fail inside JAX, or worse, run)."""
+        plan = self(params)
+        if self.plan is None:
+            return plan
+        for leaf, sub in zip(plan.leaves, plan.split(params)):   # split: the structure
+            arrays = jax.tree.leaves(sub)   # none where a wrapper masked the leaf out
+            if arrays and tuple(arrays[0].shape) != leaf.shape:
+                raise ValueError(f"{who}: the plan does not fit the params: {leaf.path} has "
+                                 f"shape {tuple(arrays[0].shape)} in the params and "
+                                 f"{leaf.shape} in the plan; make the plan from these "
+                                 "params (make_plan)")
+        return plan
 
 
 def matrix_leaves(plan: ShardingPlan, subs: list, who: str) -> list[tuple[int, LeafPlan]]:
@@ -163,10 +186,11 @@ def scale_by_matrix_optimizer(who: str, state_type: type[NamedTuple], init_stack
     assert set(kinds) <= {HELD, BLOCKS} and len(kinds) == len(forms), (who, forms)
 
     def init_fn(params):
-        plan = source(params)
+        plan = source.at_init(params, who)
         subs = plan.split(params)
         columns = [list(subs) for _ in names]   # masked-out leaves keep their node
         for i, leaf in matrix_leaves(plan, subs, who):
+            checks.matrix_leaf(who, leaf.path, _array(subs[i]))
             mine = place_fields(init_stack(_array(subs[i]), leaf), kinds, leaf, plan.mesh)
             for column, value in zip(columns, mine):
                 column[i] = value
@@ -229,9 +253,17 @@ def with_adamw(name: str, matrix: optax.GradientTransformation, source: PlanSour
                learning_rate: optax.ScalarOrSchedule, adamw: AdamW
                ) -> optax.GradientTransformation:
     """``matrix`` (labelled ``name``) for the leaves the plan calls matrices, AdamW
-    for the others."""
-    return optax.partition({name: matrix, ADAMW: adamw.tx(learning_rate)},
+    for the others. A plan given is checked against the whole tree at init."""
+    if not isinstance(adamw, AdamW):
+        raise ValueError(f"adamw must be a jmegatron.optim.AdamW, got {type(adamw).__name__}")
+    both = optax.partition({name: matrix, ADAMW: adamw.tx(learning_rate)},
                            lambda params: source(params).labels(name, params))
+
+    def init_fn(params):
+        source.at_init(params, name)   # the AdamW leaves too, which ``matrix`` never sees
+        return both.init(params)
+
+    return optax.GradientTransformationExtraArgs(init_fn, both.update)
 
 
 WeightDecayMethod = Literal["decoupled", "independent", "l2", "palm"]
@@ -287,8 +319,9 @@ def descend(direction: optax.GradientTransformation, learning_rate: optax.Scalar
     Args:
       direction: the transformation giving the update direction (e.g.
         ``scale_by_muon``).
-      learning_rate: a number or an optax schedule of the step.
-      weight_decay: the decay coefficient wd (0: none).
+      learning_rate: a finite number > 0 or an optax schedule of the step (a
+        schedule's values are not checked: they exist only during updates).
+      weight_decay: the decay coefficient wd, finite, >= 0 (0: none).
       method: "decoupled", "independent", "l2" or "palm" (above).
       decay: ``decay(rate)`` builds the transformation that adds ``rate * p`` in
         every method but "l2"; default ``add_decay`` (optax's
@@ -303,6 +336,8 @@ def descend(direction: optax.GradientTransformation, learning_rate: optax.Scalar
       Chowdhery et al., "PaLM: Scaling Language Modeling with Pathways",
         arXiv:2204.02311, 2022.
     """
+    checks.learning_rate(learning_rate)
+    checks.non_negative("weight_decay", weight_decay)
     if method not in WEIGHT_DECAY_METHODS:
         raise ValueError(f"unknown weight_decay_method {method!r}; one of {WEIGHT_DECAY_METHODS}")
     lr = optax.scale_by_learning_rate(learning_rate)

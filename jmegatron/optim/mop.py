@@ -19,7 +19,7 @@ import optax
 
 from jmegatron.optim.matrix import (AdamW, PlanSource, WeightDecayMethod, descend, held_zeros,
                                     on_owners, per_matrix, scale_by_matrix_optimizer, with_adamw)
-from jmegatron.optim.muon import MuonState, momentum_step, update_scale
+from jmegatron.optim.muon import MuonState, check_momentum_args, momentum_step, update_scale
 from jmegatron.optim.plan import ShardingPlan
 from jmegatron.optim.routing import Routing, from_matrices, matrix_pieces, to_matrices
 from jmegatron.sharding.layouts import Layout
@@ -32,7 +32,8 @@ def polar_factor(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     """The polar factor U V^T and the singular values of every matrix of a stack.
 
     By thin SVD (on CPU one matrix at a time, see ``matrix.per_matrix``); a zero
-    matrix gives zero (its singular vectors are arbitrary).
+    matrix gives zero (its singular vectors are arbitrary), a matrix with a NaN or
+    an inf gives NaN (LAPACK's SVD of an inf never returns: it is not called on one).
 
     Args:
       x: a stack of matrices [..., m, n], fp32.
@@ -40,10 +41,13 @@ def polar_factor(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     Returns:
       (U V^T [..., m, n], singular values [..., min(m, n)], descending).
     """
-    u, s, vt = per_matrix(lambda a: jnp.linalg.svd(a, full_matrices=False), x)
+    finite = jnp.all(jnp.isfinite(x), axis=(-2, -1), keepdims=True)   # [..., 1, 1]
+    safe = jnp.where(finite, x, 0.0)
+    u, s, vt = per_matrix(lambda a: jnp.linalg.svd(a, full_matrices=False), safe)
     polar = jnp.matmul(u, vt, precision=jax.lax.Precision.HIGHEST)
     nonzero = jnp.max(s, axis=-1)[..., None, None] > 0
-    return jnp.where(nonzero, polar, 0.0), s
+    return (jnp.where(finite, jnp.where(nonzero, polar, 0.0), jnp.nan),
+            jnp.where(finite[..., 0], s, jnp.nan))
 
 
 def scaled_polar(x: jax.Array, scale: MopScale, rms_factor: float | None) -> jax.Array:
@@ -68,6 +72,11 @@ def scale_by_mop(*, beta: float = 0.95, nesterov: bool = False,
     times ``rms_factor`` if given) or by Muon's ``update_scale``. ``mesh``,
     ``layout`` and ``plan`` as for ``scale_by_muon``; there is no tensor-parallel
     mode: a matrix split over the tensor axis is gathered (module docstring).
+
+    Arguments, leaves and ``plan`` are checked as for ``scale_by_muon``, and a
+    non-finite gradient likewise makes its block's update NaN from then on (the
+    momentum keeps it): the polar factor of a non-finite matrix is NaN, with no
+    SVD run on it (LAPACK's never returns on an inf).
 
     Args:
       beta: the momentum's decay.
@@ -98,6 +107,7 @@ def scale_by_mop(*, beta: float = 0.95, nesterov: bool = False,
     """
     if scale not in get_args(MopScale):
         raise ValueError(f"unknown MOP scale {scale!r}; one of {get_args(MopScale)}")
+    check_momentum_args(beta, rms_factor, momentum_dtype)
     source = PlanSource(plan, routing, mesh, layout, rules)
     mesh = source.placed_on
     polar = lambda stack: scaled_polar(stack, scale, rms_factor)

@@ -3,19 +3,20 @@
 from __future__ import annotations
 
 import math
-from typing import Callable, Literal, NamedTuple
+from typing import Callable, Literal, NamedTuple, get_args
 
 import jax
 import jax.numpy as jnp
 import optax
 
+from jmegatron.optim import checks
 from jmegatron.optim.coefficients import CoefficientSet, coefficient_set
 from jmegatron.optim.newton_schulz import NS_METHODS, NSMethod, newton_schulz, ns_flops
 from jmegatron.optim.matrix import (AdamW, PlanSource, WeightDecayMethod, descend, held_zeros,
                                     scale_by_matrix_optimizer, with_adamw)
 from jmegatron.optim.plan import HELD, LeafPlan, ShardingPlan, matrix_state
 from jmegatron.optim.routing import Routing, from_matrices, matrix_pieces, to_matrices
-from jmegatron.optim.tensor_parallel import TensorParallel, TPMode, tp_newton_schulz
+from jmegatron.optim.tensor_parallel import TP_MODES, TensorParallel, TPMode, tp_newton_schulz
 from jmegatron.sharding.layouts import Layout
 from jmegatron.sharding.rules import DEFAULT_RULES, Rules
 
@@ -84,6 +85,13 @@ def momentum_step(g, m, count, beta, momentum, nesterov, bias_correction):
     raise ValueError(f"momentum must be 'ema' or 'sum', got {momentum!r}")
 
 
+def check_momentum_args(beta, rms_factor, momentum_dtype) -> None:
+    """The arguments Muon, MOP and adaptive Muon share, refused at construction."""
+    checks.fraction("beta", beta)
+    checks.positive("rms_factor", rms_factor, optional=True)
+    checks.float_dtype("momentum_dtype", momentum_dtype, optional=True)
+
+
 OrthogonalBlocks = Callable[[jax.Array, LeafPlan], list[tuple[jax.Array, int, int]]]
 
 
@@ -96,6 +104,9 @@ def newton_schulz_blocks(coefficients, steps: int | None, matmul_dtype, syrk: bo
     Matrices split over the tensor axis use ``tp_mode``."""
     if method not in NS_METHODS:
         raise ValueError(f"unknown Newton-Schulz method {method!r}; one of {NS_METHODS}")
+    checks.integer("steps", steps, 1, optional=True)
+    checks.float_dtype("matmul_dtype", matmul_dtype)
+    checks.one_of("tp_mode", tp_mode, TP_MODES)
     tp = None if mesh is None else TensorParallel(mesh, tp_mode)
     # A dtype name, not jnp.float32: optax.inject_hyperparams takes callables for schedules.
     ns = dict(steps=steps, coefficients=coefficients, matmul_dtype=jnp.dtype(matmul_dtype),
@@ -154,6 +165,15 @@ def scale_by_muon(*, coefficients: str | CoefficientSet | tuple = "quintic",
     ``newton_schulz``), in every mode; ``ns_method`` "gram" iterates on the short
     side's Gram, "auto" wherever that saves FLOPs (``newton_schulz``).
 
+    Bad arguments raise a one-line ValueError here (``jmegatron.optim.checks``;
+    a schedule's values cannot be checked), and at init a matrix leaf that is
+    not floating-point or has no elements, or a ``plan`` made for other params.
+    Gradients are not checked: a NaN or an inf in a matrix block's gradient
+    enters the momentum and, through Newton-Schulz, makes the block's whole
+    update NaN, on that step and (the momentum keeps it) every later one; other
+    blocks are unaffected. ``jmegatron.train``'s step skips non-finite steps
+    itself; in your own chain, wrap the optimizer in ``optax.apply_if_finite``.
+
     Args:
       coefficients: Newton-Schulz's per-iteration (a, b, c): a set's name, tuples or
         a ``CoefficientSet`` (see ``coefficient_set``).
@@ -202,6 +222,9 @@ def scale_by_muon(*, coefficients: str | CoefficientSet | tuple = "quintic",
       Bernstein & Newhouse, "Old Optimizer, New Norm: An Anthology",
         arXiv:2409.20325, 2024.
     """
+    check_momentum_args(beta, rms_factor, momentum_dtype)
+    checks.one_of("momentum", momentum, ("ema", "sum"))
+    checks.one_of("scale", scale, get_args(ScaleMode))
     source = PlanSource(plan, routing, mesh, layout, rules)
     orthogonal_blocks = newton_schulz_blocks(coefficients, steps, matmul_dtype, syrk, ns_method,
                                              tp_mode, source.placed_on)

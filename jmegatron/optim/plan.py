@@ -146,14 +146,28 @@ class ShardingPlan:
         try:
             return self.treedef.flatten_up_to(tree)
         except (ValueError, TypeError):
-            known = {leaf.path for leaf in self.leaves}
-            extra = [jax.tree_util.keystr(path) for path, _ in
-                     jax.tree.leaves_with_path(tree, is_leaf=_is_variable)]
-            extra = [path for path in extra if path.removesuffix(".value") not in known]
-            raise ValueError(f"the plan has no leaf {extra[0] if extra else '(structure differs)'}"
-                             ": it is not trained (not an nnx.Param) or not in the params the "
-                             "plan was made from; give the optimizer trainable_params(params)"
-                             ) from None
+            raise ValueError(self._mismatch(tree)) from None
+
+    def _mismatch(self, tree) -> str:
+        """One line naming the first leaf of ``tree`` the plan lacks, or else the first
+        the tree lacks, with its shape."""
+        given = {jax.tree_util.keystr(path).removesuffix(".value"): node for path, node
+                 in jax.tree.leaves_with_path(tree, is_leaf=_is_variable)}
+        planned = {leaf.path: leaf.shape for leaf in self.leaves}
+        extra = [path for path in given if path not in planned]
+        if extra:
+            arrays = jax.tree.leaves(given[extra[0]])   # a variable holds one array
+            shape = tuple(getattr(arrays[0], "shape", ())) if arrays else ()
+            return (f"the plan has no leaf {extra[0]} (shape {shape}): it is not trained (not "
+                    "an nnx.Param) or not in the params the plan was made from; give the "
+                    "optimizer trainable_params(params), or make the plan from these params")
+        missing = [path for path in planned if path not in given]
+        if missing:
+            return (f"the params have no leaf {missing[0]}, which the plan has (shape "
+                    f"{planned[missing[0]]}): the plan was made for other params; make it "
+                    "from these (make_plan)")
+        return ("the params' tree structure differs from the plan's (same leaf paths); "
+                "make the plan from these params (make_plan)")
 
     def join(self, subtrees) -> Any:
         return self.treedef.unflatten(list(subtrees))

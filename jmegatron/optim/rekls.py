@@ -62,6 +62,7 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
+from jmegatron.optim import checks
 from jmegatron.optim.matrix import (AdamW, PlanSource, WeightDecayMethod, descend,
                                     with_adamw)
 from jmegatron.optim.plan import ShardingPlan
@@ -174,6 +175,11 @@ def scale_by_rekls(*, b1: float = 0.9, b2: float = 0.95, shampoo_beta: float = 0
     ``max_precond_dim`` is not preconditioned (module docstring). ``mesh``,
     ``layout`` and ``plan`` place state and work as for ``scale_by_soap``.
 
+    Arguments, leaves and ``plan`` are checked as for ``scale_by_muon``. A NaN
+    or an inf in a block's gradient enters its factors, bases and moments: the
+    block's update is NaN on that step and every later one, as for
+    ``scale_by_soap``.
+
     Args:
       b1: the first moment's decay.
       b2: the second moment's decay.
@@ -203,8 +209,10 @@ def scale_by_rekls(*, b1: float = 0.9, b2: float = 0.95, shampoo_beta: float = 0
       NVIDIA NeMo Emerging-Optimizers 0.3.0, ``emerging_optimizers.soap.REKLS``
         (SOAP with use_eigh=True, use_kl_shampoo=True), 2026.
     """
-    if not 0.0 <= shampoo_beta < 1.0:
-        raise ValueError(f"shampoo_beta must be in [0, 1), got {shampoo_beta}")
+    checks.fraction("b1", b1)
+    checks.fraction("b2", b2)
+    checks.fraction("shampoo_beta", shampoo_beta)   # 1 would divide by 1 - 1^t = 0
+    checks.positive("eps", eps)   # also the floor of the eigenvalues it divides by
     block = functools.partial(rekls_block, b1=b1, b2=b2, shampoo_beta=shampoo_beta, eps=eps)
     return scale_by_eigenbasis_adam("scale_by_rekls", block, max_precond_dim,
                                     PlanSource(plan, routing, mesh, layout, rules),

@@ -41,6 +41,7 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
+from jmegatron.optim import checks
 from jmegatron.optim.matrix import (AdamW, PlanSource, WeightDecayMethod, at_step, descend,
                                     held_zeros, matrix_leaves, on_owners, per_matrix,
                                     scale_by_matrix_optimizer, with_adamw)
@@ -194,6 +195,7 @@ def scale_by_eigenbasis_adam(who: str, block: BlockStep, max_precond_dim: int,
     """The skeleton of SOAP-like optimizers (Adam in a per-block eigenbasis, state
     ``SoapState``): ``block`` steps one stack of blocks; the bases start as
     ``basis`` (see ``_empty_factors``)."""
+    checks.integer("max_precond_dim", max_precond_dim, 0)
     mesh = source.placed_on
 
     def init_stack(x, leaf):
@@ -229,6 +231,13 @@ def scale_by_soap(*, b1: float = 0.95, b2: float = 0.95, shampoo_beta: float | N
     preconditioned. ``mesh``, ``layout`` and ``plan`` place state and work as
     for ``scale_by_muon``.
 
+    Arguments, leaves and ``plan`` are checked as for ``scale_by_muon``. A NaN
+    or an inf in a block's gradient enters its moments and factors (and the
+    bases built from them): the block's update is NaN (wholly where both sides
+    are preconditioned, else in the rows or columns the rotation mixes it into),
+    on that step and every later one. ``jmegatron.train``'s step skips
+    non-finite steps; in your own chain use ``optax.apply_if_finite``.
+
     Args:
       b1: the first moment's decay.
       b2: the second moment's decay.
@@ -260,8 +269,11 @@ def scale_by_soap(*, b1: float = 0.95, b2: float = 0.95, shampoo_beta: float | N
       Gupta et al., "Shampoo: Preconditioned Stochastic Tensor Optimization",
         arXiv:1802.09568, 2018.
     """
-    if precondition_frequency < 1:
-        raise ValueError(f"precondition_frequency must be >= 1, got {precondition_frequency}")
+    checks.fraction("b1", b1)
+    checks.fraction("b2", b2)
+    checks.fraction("shampoo_beta", shampoo_beta, optional=True)
+    checks.positive("eps", eps)   # a zero gradient gives 0 / 0
+    checks.integer("precondition_frequency", precondition_frequency, 1)
     block = functools.partial(
         soap_block, b1=b1, b2=b2, shampoo_beta=b2 if shampoo_beta is None else shampoo_beta,
         eps=eps, precondition_frequency=precondition_frequency, bias_correction=bias_correction)
