@@ -23,7 +23,7 @@ OTHER_TOOLS = {
     "--preset",                                    # experiments.train, read before tyro
     "--xla_force_host_platform_device_count",      # XLA (in XLA_FLAGS)
     "--durations", "--dist",                      # pytest, pytest-xdist (-n 2 --dist loadfile)
-    "--quiet",                                     # pip
+    "--quiet", "--index-url",                      # pip
     "--nodes", "--ntasks-per-node", "--gpus-per-node", "--time", "--signal",   # sbatch
 }
 

@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import types
 import time
 from pathlib import Path
 
@@ -275,6 +276,8 @@ def test_a_failed_run_waits_for_its_checkpoint_only_in_one_process(processes, mo
     closed = []
 
     class FailingRun:
+        started = True
+
         def __init__(self, trainer):
             pass
 
@@ -292,6 +295,8 @@ def test_a_failed_run_waits_for_its_checkpoint_only_in_one_process(processes, mo
     monkeypatch.setattr(jax, "process_count", lambda: processes)
     trainer = loop.Trainer.__new__(loop.Trainer)
     trainer.checkpointer = Checkpointer()
+    trainer.cfg, trainer.start_step = loop.TrainConfig(), 0
+    trainer.claim = types.SimpleNamespace(release=lambda started: None)   # no run folder
     with pytest.raises(RuntimeError, match="a collective failed"):
         trainer.run()
     assert closed == (["run", "checkpointer"] if processes == 1 else ["run"])
