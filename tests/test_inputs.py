@@ -144,8 +144,8 @@ def test_a_config_or_index_that_is_not_json_is_named(saved, tmp_path, name):
     (folder / name).write_text("{not json")
     with pytest.raises(hf.HFError) as err:
         hf.load(folder)
-    assert one_line(err.value) == (f"{folder}/{name} is not JSON (Expecting property name "
-                                   "enclosed in double quotes: line 1 column 2 (char 1))")
+    assert one_line(err.value) == (f"{folder}/{name} is not readable JSON (Expecting property "
+                                   "name enclosed in double quotes: line 1 column 2 (char 1))")
 
 
 @pytest.mark.parametrize("tensor, value, sharded", [
@@ -212,8 +212,9 @@ def test_a_tokenizer_config_that_is_not_json_is_named(tmp_path):
     (tmp_path / "tokenizer_config.json").write_text("eos_token: </s>")
     with pytest.raises(ValueError) as err:
         HFTokenizer(tmp_path)
-    assert one_line(err.value) == (f"tokenizer config {tmp_path}/tokenizer_config.json is not "
-                                   "JSON (Expecting value: line 1 column 1 (char 0))")
+    assert one_line(err.value) == (f"{tmp_path}/tokenizer_config.json is not readable JSON "
+                                   "(Expecting value: line 1 column 1 (char 0)) (the "
+                                   "tokenizer's config)")
 
 
 def test_a_bin_file_that_is_not_tokens_is_refused(tmp_path):
@@ -245,6 +246,12 @@ def test_token_ids_beyond_meta_json_vocab_are_refused(tmp_path):
                                    f"vocabulary size 259 (vocab_size in {folder}/meta.json): "
                                    "not tokens of this vocabulary")
     (folder / "meta.json").write_text("{")
+    with pytest.raises(DataError) as err:
+        load_corpus(str(folder))
+    assert one_line(err.value) == (f"{folder}/meta.json is not readable JSON (Expecting "
+                                   "property name enclosed in double quotes: line 1 column 2 "
+                                   "(char 1)) (as experiments.prepare_data writes it)")
+    (folder / "meta.json").write_text("[1, 2]")
     with pytest.raises(DataError) as err:
         load_corpus(str(folder))
     assert one_line(err.value) == (f"{folder}/meta.json is not a JSON object (as "

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import glob
-import json
 import os
 import sysconfig
 import zlib
@@ -17,6 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from jmegatron.data import tokenizer
+from jmegatron.jsonfile import json_object
 
 TEST_DIRS = {"test", "tests", "idle_test"}
 TOKEN_DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
@@ -128,16 +128,8 @@ def load_token_files(path: Path, val_fraction: float, tok=None) -> Corpus:
 
 def _read_meta(meta_path: Path) -> dict:
     """A token folder's meta.json ({} when there is none)."""
-    if not meta_path.exists():
-        return {}
-    try:
-        meta = json.loads(meta_path.read_bytes())
-    except ValueError:   # JSONDecodeError, UnicodeDecodeError
-        meta = None
-    if not isinstance(meta, dict):
-        raise DataError(f"{meta_path} is not a JSON object (as experiments.prepare_data "
-                        "writes it)")
-    return meta
+    return (json_object(meta_path, DataError, " (as experiments.prepare_data writes it)")
+            if meta_path.exists() else {})
 
 
 def _tokens(file: Path, dtype: str, vocab: int, where: str) -> np.ndarray:

@@ -8,10 +8,11 @@ uint32 id array) and ``decode(ids)``; ``load_tokenizer(None)`` is the bytes.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
+
+from jmegatron.jsonfile import json_object
 
 BOS, EOS, PAD = 256, 257, 258
 VOCAB_SIZE = 259
@@ -96,15 +97,7 @@ def _first_line(err: BaseException) -> str:
 
 def _config(file: Path) -> dict:
     """tokenizer_config.json beside the tokenizer ({} when absent)."""
-    if not file.is_file():
-        return {}
-    try:
-        config = json.loads(file.read_bytes())
-    except ValueError as err:   # JSONDecodeError, UnicodeDecodeError
-        raise ValueError(f"tokenizer config {file} is not JSON ({_first_line(err)})") from None
-    if not isinstance(config, dict):
-        raise ValueError(f"tokenizer config {file} is not a JSON object")
-    return config
+    return json_object(file, hint=" (the tokenizer's config)") if file.is_file() else {}
 
 
 def _token_name(entry) -> str | None:

@@ -18,6 +18,8 @@ from pathlib import Path, PurePosixPath
 import ml_dtypes
 import numpy as np
 
+from jmegatron.jsonfile import json_object
+
 INDEX = "model.safetensors.index.json"
 # Stored dtypes read (safetensors' numpy reader has no bfloat16, which most
 # published checkpoints use; ml_dtypes, installed with jax, has).
@@ -49,24 +51,8 @@ def model_file(folder: Path, name: str) -> Path:
 
 
 def read_json(file: Path) -> dict:
-    """The JSON object in ``file``.
-
-    Args:
-      file: a JSON file's path.
-
-    Returns:
-      The object, as a dict.
-
-    Raises:
-      HFError: a file that is not JSON or not an object; one line naming it.
-    """
-    try:
-        value = json.loads(file.read_bytes())
-    except ValueError as err:   # JSONDecodeError, UnicodeDecodeError
-        raise HFError(f"{file} is not JSON ({err})") from None
-    if not isinstance(value, dict):
-        raise HFError(f"{file} is not a JSON object")
-    return value
+    """The JSON object in ``file``; HFError (one line naming it) if it is not one."""
+    return json_object(file, HFError)
 
 
 def tensor_names(file: Path) -> list[str]:

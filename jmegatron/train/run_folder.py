@@ -9,6 +9,7 @@ import os
 import shutil
 from pathlib import Path
 
+from jmegatron.jsonfile import json_object
 from jmegatron.train.config import TrainConfig
 from jmegatron.train.distributed import is_main, same_on_all
 from jmegatron.train.lock import LOCK_NAME, RunLock, RunFolderError
@@ -83,14 +84,7 @@ def _inside(path: Path, folder: Path) -> bool:
 
 def read_json(path: Path) -> dict:
     """The JSON object in ``path``; ValueError (one line) naming the file if it is not one."""
-    try:
-        value = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, ValueError) as err:
-        raise ValueError(f"{path} is not readable JSON ({err}): repair it, or move it away") \
-            from None
-    if not isinstance(value, dict):
-        raise ValueError(f"{path} is not a JSON object: repair it, or move it away")
-    return value
+    return json_object(path, hint=": repair it, or move it away")
 
 
 def clear_run_folder(run_dir: Path) -> None:
