@@ -190,11 +190,11 @@ class Trainer:
                 raise CheckpointError(f"no checkpoint folder at {path}")
             source = Checkpointer(path, dataclasses.replace(self.cfg.checkpoint,
                                                             async_save=False))
-        if step is not None and step not in source.all_steps():
-            there = ", ".join(map(str, source.all_steps())) or "none"
+        steps = source.all_steps()
+        if step is not None and step not in steps:
             raise CheckpointError(f"no checkpoint at {path / str(step)} (the steps in {path}: "
-                                  f"{there})")
-        candidates = [step] if step is not None else source.all_steps()[::-1]
+                                  f"{', '.join(map(str, steps)) or 'none'})")
+        candidates = [step] if step is not None else steps[::-1]
         if not candidates:
             raise CheckpointError(f"no complete checkpoint in {source.directory}")
         damaged = []
@@ -314,8 +314,9 @@ class Trainer:
 
     def _out_of_memory_line(self, err: BaseException, run: "Run | None") -> str:
         c = self.cfg
-        step = self.start_step + 1 if run is None or not run.started else "a later step"
-        return (f"out of memory at step {step} ({str(err).splitlines()[0][:160]}): lower "
+        when = ("after the first step" if run is not None and run.started
+                else f"at step {self.start_step + 1}")
+        return (f"out of memory {when} ({str(err).splitlines()[0][:160]}): lower "
                 f"--batch-size {c.batch_size} or --seq-len {c.seq_len}, raise --microbatches "
                 f"{c.microbatches}, or set --model.remat full")
 

@@ -1,5 +1,6 @@
-"""The run folder's rules: one run per folder, a checked out-dir, and the settings
-a resume must keep (the resume contract)."""
+"""The run folder's rules: one run per folder and one trainer at a time (``Claim``),
+a checked out-dir, what --overwrite may delete, and the settings a resume must keep
+(the resume contract)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from pathlib import Path
 from jmegatron.jsonfile import json_object
 from jmegatron.train.config import TrainConfig
 from jmegatron.train.distributed import is_main, same_on_all
-from jmegatron.train.lock import LOCK_NAME, RunLock, RunFolderError
+from jmegatron.train.lock import LOCK_NAME, RunFolderError, RunLock
 
 # Outputs a run writes; a folder holding any of them holds a run.
 RUN_FILES = ("checkpoints", "config.json", "metrics.jsonl", "samples.txt", "summary.json")
@@ -128,8 +129,8 @@ class Claim:
         if error is not None:
             raise error
         if not agreed:
-            raise RunFolderError(f"process 0 could not take the run folder {run_dir} (see its "
-                               "log)")
+            raise RunFolderError(f"process 0 could not take the run folder {run_dir} (see "
+                                 "its log)")
 
     def release(self, started: bool) -> None:
         """Unlocks; without a first step, removes what a failed start created."""
