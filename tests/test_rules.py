@@ -2,6 +2,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from jmegatron.models import GPTConfig, validate_sharding
+from jmegatron.models.config import ConfigError
 from jmegatron.sharding import (DATA_PARALLEL_RULES, DEFAULT_RULES, MeshConfig,
                                 check_divisible, logical_to_spec, with_rules)
 
@@ -63,7 +64,7 @@ def test_unpadded_vocab_under_tensor_parallelism_is_refused():
     (dict(remat="some"), "remat='some'"),
 ])
 def test_inconsistent_model_configs_raise(model, message):
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(ConfigError, match=message):   # one line from the CLI, not boxed
         GPTConfig(**model)
 
 
