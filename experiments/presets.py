@@ -26,6 +26,31 @@ def gpt2_small() -> TrainConfig:
         schedule=ScheduleConfig(warmup_steps=200))
 
 
+def dense_1b() -> TrainConfig:
+    """A dense 0.89B Llama-shaped model (16 x 2048, GQA 16/8, SwiGLU 5632, a 32k
+    vocabulary) for one accelerator: bf16 compute, activations recomputed but for
+    the matmul outputs (remat dots)."""
+    return TrainConfig(
+        model=GPTConfig(vocab_size=32_000, d_model=2048, n_layers=16, n_heads=16,
+                        n_kv_heads=8, d_ff=5632, dtype="bfloat16", remat="dots"),
+        mesh=MeshConfig(data=1, fsdp=-1, tensor=1),
+        steps=5000, batch_size=8, seq_len=2048, eval_every=500, eval_batches=4, lr=3e-4,
+        schedule=ScheduleConfig(warmup_steps=200))
+
+
+def qwen3_moe_small() -> TrainConfig:
+    """A Qwen3-MoE shaped model for one accelerator (12 x 1024, QK-norm, GQA 16/4, 32
+    experts of width 512, top-4, in every layer; a 32k vocabulary; 0.70B parameters,
+    0.17B of them used per token, embeddings included), bf16 compute."""
+    return TrainConfig(
+        model=GPTConfig(vocab_size=32_000, d_model=1024, n_layers=12, n_heads=16,
+                        n_kv_heads=4, d_ff=2816, qk_norm=True, dtype="bfloat16",
+                        moe=MoEConfig(n_experts=32, top_k=4, d_ff=512, every=1)),
+        mesh=MeshConfig(data=1, fsdp=1, expert=-1, tensor=1),
+        steps=5000, batch_size=8, seq_len=2048, eval_every=500, eval_batches=4, lr=3e-4,
+        schedule=ScheduleConfig(warmup_steps=200))
+
+
 def bench() -> TrainConfig:
     """Fixed settings for throughput measurements (no evaluation in the timed steps)."""
     return TrainConfig(
@@ -45,5 +70,5 @@ def qwen3_moe_tiny() -> TrainConfig:
         schedule=ScheduleConfig(warmup_steps=30))
 
 
-PRESETS = {"tiny": tiny, "gpt2-small": gpt2_small, "bench": bench,
-           "qwen3-moe-tiny": qwen3_moe_tiny}
+PRESETS = {"tiny": tiny, "gpt2-small": gpt2_small, "dense-1b": dense_1b, "bench": bench,
+           "qwen3-moe-tiny": qwen3_moe_tiny, "qwen3-moe-small": qwen3_moe_small}

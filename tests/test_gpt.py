@@ -9,6 +9,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jmegatron.models import GPT, GPTConfig, create_sharded, cross_entropy
+from jmegatron.models.layers import causal_attention, flash_attention
 from jmegatron.sharding import (DEFAULT_RULES, MeshConfig, activation_sharding,
                                 logical_to_spec, make_mesh)
 
@@ -113,8 +114,9 @@ def test_padded_vocabulary_is_masked():
     assert not jnp.any(big_grads["head"][...][:, small.vocab:])
 
 
-@pytest.mark.parametrize("option", [dict(remat="full"), dict(remat="dots")])
-def test_remat_keeps_gradients(option, reference):
+@pytest.mark.parametrize("option", [dict(remat="full"), dict(remat="dots"),
+                                    dict(attention="flash")])
+def test_remat_and_flash_attention_keep_gradients(option, reference):
     cfg = GPTConfig(**{**CFG.__dict__, **option})
     _, (loss, grads) = loss_and_grads(cfg, None, tokens())
     np.testing.assert_allclose(loss, reference[0], rtol=1e-6)
@@ -148,3 +150,21 @@ def test_causal_mask_keeps_prefix_logits():
     t = tokens()[:, :SEQ]
     changed = t.at[:, -1].set((t[:, -1] + 1) % CFG.vocab_size)
     np.testing.assert_allclose(model(t)[:, :-1], model(changed)[:, :-1], rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("t, block", [(16, 4), (12, 8)])   # 12: blocks of gcd(12, 8) = 4
+def test_flash_attention_gives_the_einsum_paths_output_and_largest_logit(t, block):
+    """jax.nn.dot_product_attention (XLA's on CPU, cuDNN's on GPU) and the blockwise
+    largest logit equal the einsum path's, on grouped heads (N 4, K 2)."""
+    q, k, v = (jax.random.normal(key, (2, t, n, 8)) for key, n in
+               zip(jax.random.split(jax.random.key(3), 3), (4, 2, 2)))
+    want_y, want_peak = jax.jit(causal_attention)(q, k, v)
+    y, peak = jax.jit(lambda *a: flash_attention(*a, block=block))(q, k, v)
+    np.testing.assert_allclose(y, want_y, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(peak, want_peak, rtol=1e-6)
+    assert peak.shape == (2, 4)
+    # Against the definition: max over s <= t of q_t . k_s / sqrt(H), key head n // 2.
+    logits = np.einsum("btnh,bsnh->bnts", q, np.repeat(k, 2, axis=2)) / np.sqrt(8)
+    causal = np.tril(np.ones((t, t), bool))
+    np.testing.assert_allclose(peak, np.where(causal, logits, -np.inf).max(axis=(2, 3)),
+                               rtol=1e-5)

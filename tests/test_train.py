@@ -226,3 +226,14 @@ def test_cli_bad_input_gives_one_clear_line(args, message, capsys):
         train_cli.main(SMALL + args)
     assert exit_info.value.code.startswith("error: ")
     assert message in exit_info.value.code
+
+
+@pytest.mark.parametrize("name, billions", [("dense-1b", 0.886), ("qwen3-moe-small", 0.701)])
+def test_the_accelerator_presets_build_the_sizes_they_state(name, billions):
+    """The presets bench_train_speed measures on a GPU: their shapes build (abstractly:
+    nothing allocated) and hold the parameters their docstrings state."""
+    cfg = train_cli.PRESETS[name]().model.pad_vocab(1)
+    model = nnx.eval_shape(lambda: GPT(cfg, nnx.Rngs(0)))
+    count = sum(x.size for x in jax.tree.leaves(nnx.state(model)))
+    assert count == cfg.param_count() and round(count / 1e9, 3) == billions
+    assert cfg.dtype == "bfloat16"

@@ -115,6 +115,10 @@ class GPTConfig:
         out, MLP down) use init_std / sqrt(2 L). Norm scales start at 1, the QKV bias at 0.
       dtype: Compute dtype of matmuls; parameters always stay fp32.
       remat: Activation recomputation in the backward pass: none, full, dots, dots_no_batch.
+      attention: einsum (XLA's einsums, the [B, N, T, T] logits formed; its softmax row
+        maxima give the largest logit) or flash (``jax.nn.dot_product_attention``:
+        cuDNN's fused kernel on GPU, with a second blockwise pass over q k^T for the
+        largest logit; see ``layers.flash_attention``).
       vocab_multiple: The embedding table is padded to a multiple of this x tensor
         (Megatron).
       padded_vocab_size: Set by `pad_vocab` from vocab_multiple and the tensor size; leave
@@ -150,6 +154,7 @@ class GPTConfig:
     init_std: float = 0.02
     dtype: Literal["float32", "bfloat16"] = "float32"
     remat: Literal["none", "full", "dots", "dots_no_batch"] = "none"
+    attention: Literal["einsum", "flash"] = "einsum"
     vocab_multiple: int = 128
     padded_vocab_size: int | None = None
     layer_group: int = 1
@@ -166,6 +171,8 @@ class GPTConfig:
                                            and 0 < self.rope_scaling[1] < self.rope_scaling[2]),
                  f"rope_scaling={self.rope_scaling} must be (factor, low_freq_factor, "
                  "high_freq_factor, original context) with low < high")
+        _require(self.attention in ("einsum", "flash"),
+                 f"attention={self.attention!r}; choose einsum or flash")
         _require(self.remat in REMAT_POLICIES,
                  f"remat={self.remat!r}; choose one of {REMAT_POLICIES}")
         _require(self.n_heads % self.n_kv_heads == 0,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -115,6 +117,44 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> tuple[jax.Arra
     return jnp.einsum("bnts,bsnh->btnh", weights.astype(v.dtype), v), peak
 
 
+def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array,
+                    block: int = 512) -> tuple[jax.Array, jax.Array]:
+    """``causal_attention`` by ``jax.nn.dot_product_attention``: cuDNN's fused (flash)
+    kernel on GPU, which never forms the [B, N, T, T] logits, and XLA's elsewhere.
+
+    The kernel returns no logits, so the largest one per example and head, [B, N]
+    (QK-clip's S, the metric), comes from ``causal_peak``: a second pass over
+    q k^T in query blocks, with no gradient: one more q k^T over all T keys (2 B N
+    T^2 H FLOPs, the causal mask skipping nothing) and one [B, N, block, T] fp32
+    block at a time. On CPU the einsum path is faster (no fused kernel there).
+    """
+    y = jax.nn.dot_product_attention(q, k, v, is_causal=True)   # GQA: K divides N
+    return y, causal_peak(q, k, block)
+
+
+def causal_peak(q: jax.Array, k: jax.Array, block: int = 512) -> jax.Array:
+    """max over t and s <= t of q_t . k_s / sqrt(H), per example and query head [B, N],
+    in fp32, one block of queries at a time (exactly ``causal_attention``'s)."""
+    b, t, n, h = q.shape
+    q, k = jax.lax.stop_gradient(q), jax.lax.stop_gradient(k)
+    k = jnp.repeat(k, n // k.shape[2], axis=2)                                  # [B, T, N, H]
+    size = math.gcd(t, block)
+    blocks = q.reshape(b, t // size, size, n, h).swapaxes(0, 1)           # [T/bq, B, bq, N, H]
+
+    def block_peak(args):
+        index, q_block = args
+        logits = jnp.einsum("btnh,bsnh->bnts", q_block, k,
+                            preferred_element_type=jnp.float32) * h ** -0.5  # [B, N, bq, T]
+        rows = index * size + jnp.arange(size)
+        causal = jnp.arange(t)[None, :] <= rows[:, None]                          # [bq, T]
+        return jnp.where(causal, logits, -jnp.inf).max(axis=(-2, -1))             # [B, N]
+
+    return jax.lax.map(block_peak, (jnp.arange(t // size), blocks)).max(axis=0)
+
+
+ATTENTION = {"einsum": causal_attention, "flash": flash_attention}
+
+
 class Attention(nnx.Module):
     """Grouped-query attention with a fused, column-parallel QKV weight.
 
@@ -152,7 +192,7 @@ class Attention(nnx.Module):
             q = rms_norm(q, self.q_norm[...], cfg.norm_eps)
             k = rms_norm(k, self.k_norm[...], cfg.norm_eps)
         q, k = (rope(a, positions, cfg.rope_theta, cfg.rope_scaling) for a in (q, k))
-        y, max_logit = causal_attention(q, k, v)                   # [B, T, N, H], [B, N]
+        y, max_logit = ATTENTION[cfg.attention](q, k, v)          # [B, T, N, H], [B, N]
         y = constrain(y, (ax.BATCH, ax.SEQ, ax.ACT_HEADS, None))
         return jnp.einsum("btnh,nhd->btd", y, self.out[...].astype(x.dtype)), max_logit
 
