@@ -38,9 +38,11 @@ from jmegatron.train.checksum import checksums_by_leaf  # noqa: E402
 
 
 def make_state(megabytes: int) -> dict:
-    """Eight [rows, 1024] fp32 matrices, split over all devices by rows."""
-    mesh = jax.make_mesh((8,), ("d",), axis_types=(jax.sharding.AxisType.Auto,))
-    rows = max(megabytes * 2 ** 20 // (8 * 4 * 1024) // 8 * 8, 8)
+    """Eight [rows, 1024] fp32 matrices, split over all devices by rows (8 virtual CPU
+    devices, or the accelerators present)."""
+    n = jax.device_count()
+    mesh = jax.make_mesh((n,), ("d",), axis_types=(jax.sharding.AxisType.Auto,))
+    rows = max(megabytes * 2 ** 20 // (8 * 4 * 1024) // n * n, n)
     sharding = jax.NamedSharding(mesh, jax.P("d"))
     make = jax.jit(lambda key: jax.random.normal(key, (rows, 1024)), out_shardings=sharding)
     return {f"w{i}": make(jax.random.key(i)) for i in range(8)}

@@ -6,7 +6,8 @@
 #      tokens/s, model and optimizer TFLOP/s, MFU and total MFU against the measured bf16
 #      matmul rate, peak memory;
 #   2. bench_attention --gpu: the einsum path, the flash path (cuDNN + a blockwise pass for
-#      the largest logit) and cuDNN alone at T = 2048 and 4096, bf16.
+#      the largest logit) and cuDNN alone at T = 2048 and 4096, bf16;
+#   3. bench_checkpoint: checkpoint checksums' speed on the GPU beside orbax's save.
 # On a CPU, SMALL=1 runs both at tiny shapes: it shows the script works, nothing more.
 # Results: bench_results/*.json beside the printed tables.
 set -euo pipefail
@@ -18,9 +19,9 @@ export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}.
 export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-/tmp/jmegatron-jax-cache}
 if [ "${SMALL:-0}" = 1 ]; then
     export JAX_PLATFORMS=cpu
-    TRAIN=(--small --steps 3) ATTENTION=(--repeats 2)
+    TRAIN=(--small --steps 3) ATTENTION=(--repeats 2) CHECKPOINT=(--small)
 else
-    TRAIN=() ATTENTION=(--gpu --dtype bfloat16)
+    TRAIN=() ATTENTION=(--gpu --dtype bfloat16) CHECKPOINT=(--mb 2048)
 fi
 echo "== jax $("$PY" -c 'import jax; print(jax.__version__, jax.devices()[0].device_kind)')"
 
@@ -38,3 +39,7 @@ train 75 qwen3-moe-small adamw,muon
 echo "== 2. bench_attention"
 timeout 60 "$PY" -m experiments.bench_attention "${ATTENTION[@]}" \
     --out bench_results/bench_attention_gpu.json || echo "== bench_attention: failed ($?)"
+
+echo "== 3. bench_checkpoint: checksums (GB/s on the GPU) beside orbax's save and restore"
+timeout 90 "$PY" -m experiments.bench_checkpoint "${CHECKPOINT[@]}" \
+    --out bench_results/bench_checkpoint_gpu.json || echo "== bench_checkpoint: failed ($?)"
