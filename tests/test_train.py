@@ -15,7 +15,7 @@ from experiments import train as train_cli
 from jmegatron.models import GPT, GPTConfig
 from jmegatron.sharding import DEFAULT_RULES, MeshConfig, hlo_collectives, make_mesh
 from jmegatron.train import (ScheduleConfig, TrainConfig, create_train_state, fit_mesh,
-                             make_loss_fn, make_train_step)
+                             make_loss_fn, make_train_step, run_folder)
 from jmegatron.train.optimizer import make_optimizer, make_schedule
 from jmegatron.train.step import accumulate_grads, split_microbatches
 
@@ -237,3 +237,19 @@ def test_the_accelerator_presets_build_the_sizes_they_state(name, billions):
     count = sum(x.size for x in jax.tree.leaves(nnx.state(model)))
     assert count == cfg.param_count() and round(count / 1e9, 3) == billions
     assert cfg.dtype == "bfloat16"
+
+
+def test_every_registered_optimizer_builds_from_its_entry():
+    """``registry.OPTIMIZERS`` alone decides --optim's choices, the option groups a
+    resume keeps, the transformation and its FLOPs."""
+    from jmegatron.train.registry import OPTIMIZER_NAMES, OPTIMIZERS
+    abstract = nnx.split(nnx.eval_shape(lambda: GPT(MODEL, nnx.Rngs(0))))[1]
+    assert train_cli.parse(["--optim", "rekls"]).optim == "rekls"
+    assert set(OPTIMIZER_NAMES) == {*OPTIMIZERS, "adamw"}
+    for name, entry in OPTIMIZERS.items():
+        cfg = TrainConfig(optim=name)
+        assert cfg.optimizer_groups == entry.groups
+        assert all(f"{group}.{field}" in run_folder.run_settings(cfg) for group in entry.groups
+                   for field in dataclasses.asdict(getattr(cfg, group)))
+        optimizer = make_optimizer(cfg, abstract)
+        assert optimizer.flops_per_step > 0 and set(optimizer.leaf_groups) == {name, "adamw"}

@@ -8,6 +8,10 @@ from typing import Literal
 
 from jmegatron.models.config import ConfigError, GPTConfig
 from jmegatron.sharding.mesh import MeshConfig
+from jmegatron.train.registry import OPTIMIZER_NAMES, OPTIMIZERS
+
+# --optim's choices, read off the registry (a name with no entry fails to parse).
+OptimizerName = Literal[OPTIMIZER_NAMES]
 
 
 def require(flag: str, value, ok: bool, want: str) -> None:
@@ -278,7 +282,7 @@ class TrainConfig:
     stack to the next) or balanced (heaviest stacks first, evening the per-rank
     Newton-Schulz load where the ranks do not divide a stack)."""
     data: DataConfig = DataConfig()
-    optim: Literal["muon", "soap", "adamw", "mop", "adaptive_muon", "rekls"] = "muon"
+    optim: OptimizerName = "muon"
     """A matrix optimizer (muon, soap, mop, adaptive_muon, rekls) for hidden matrices and
     AdamW for the rest; adamw: AdamW for all."""
     lr: float = 3e-3
@@ -392,9 +396,8 @@ class TrainConfig:
 
     @property
     def optimizer_groups(self) -> tuple[str, ...]:
-        """The option groups ``optim`` reads (besides adamw's)."""
-        return {"muon": ("muon",), "soap": ("soap",), "mop": ("mop",), "rekls": ("rekls",),
-                "adaptive_muon": ("adaptive_muon", "muon"), "adamw": ()}[self.optim]
+        """The option groups ``optim`` reads (besides adamw's; ``registry.OPTIMIZERS``)."""
+        return OPTIMIZERS[self.optim].groups if self.optim in OPTIMIZERS else ()
 
     @property
     def microbatch_size(self) -> int:

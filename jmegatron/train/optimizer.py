@@ -3,21 +3,17 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import get_args, get_type_hints
-
 import jax
 import jax.numpy as jnp
 import optax
 
-from jmegatron.optim import (ADAMW, AdamW, Routing, ShardingPlan, TensorParallel, adaptive_muon,
-                             make_plan, mop, mop_flops, muon, muon_flops, rekls, rekls_flops,
-                             soap, soap_flops)
-from jmegatron.optim.newton_schulz import syrk_backend
+from jmegatron.optim import ADAMW, AdamW, Routing, ShardingPlan, TensorParallel, make_plan
 from jmegatron.optim.tensor_parallel import tp_note
 from jmegatron.sharding import rules as ax
 from jmegatron.sharding.layouts import Layout
 from jmegatron.sharding.rules import logical_axes_of
 from jmegatron.train.config import ScheduleConfig, TrainConfig
+from jmegatron.train.registry import OPTIMIZERS
 
 
 def make_schedule(cfg: ScheduleConfig, peak: float, steps: int) -> optax.Schedule:
@@ -65,56 +61,8 @@ def routing_of(cfg: TrainConfig) -> Routing:
     return Routing(split_qkv=cfg.muon.split_qkv, per_head=cfg.muon.per_head)
 
 
-# Every --optim but adamw, as the config declares them.
-MATRIX_OPTIMIZERS = tuple(name for name in get_args(get_type_hints(TrainConfig)["optim"])
-                          if name != "adamw")
-
-
-def _matrix_optimizer(cfg: TrainConfig, schedule, adam_schedule,
-                      plan: ShardingPlan) -> optax.GradientTransformation:
-    """``cfg.optim`` for the plan's matrices and AdamW for the other leaves."""
-    a, m = cfg.adamw, cfg.muon
-    common = dict(weight_decay=cfg.weight_decay, weight_decay_method=cfg.weight_decay_method,
-                  plan=plan, adamw=AdamW(adam_schedule, a.b1, a.b2, a.eps, cfg.weight_decay,
-                                         decay_mask))
-    newton_schulz = dict(coefficients=m.ns_coefficients, steps=m.ns_steps, scale=m.scale,
-                         rms_factor=m.rms_factor, matmul_dtype=jnp.dtype(m.ns_dtype),
-                         tp_mode=m.tp_mode, syrk=m.syrk, ns_method=m.ns_method)
-    if cfg.optim == "muon":
-        return muon(schedule, beta=m.momentum, **newton_schulz, **common)
-    if cfg.optim == "adaptive_muon":
-        ada = cfg.adaptive_muon
-        return adaptive_muon(schedule, second_moment=ada.second_moment, beta2=ada.beta2,
-                             eps=ada.eps, beta=m.momentum, nesterov=ada.nesterov,
-                             **newton_schulz, **common)
-    if cfg.optim == "mop":
-        p = cfg.mop
-        return mop(schedule, beta=p.momentum, nesterov=p.nesterov, scale=p.scale,
-                   rms_factor=p.rms_factor, **common)
-    if cfg.optim == "soap":
-        s = cfg.soap
-        return soap(schedule, b1=s.b1, b2=s.b2, shampoo_beta=s.shampoo_beta, eps=s.eps,
-                    precondition_frequency=s.precondition_frequency,
-                    max_precond_dim=s.max_precond_dim, **common)
-    r = cfg.rekls
-    return rekls(schedule, b1=r.b1, b2=r.b2, shampoo_beta=r.shampoo_beta, eps=r.eps,
-                 max_precond_dim=r.max_precond_dim, **common)
-
-
-def _matrix_flops(cfg: TrainConfig, abstract_params, routing: Routing) -> int:
-    """Matmul FLOPs of one step of ``cfg.optim`` on the matrices."""
-    m = cfg.muon
-    if cfg.optim in ("muon", "adaptive_muon"):
-        # SYRK's tile count only where the kernel runs (auto: jnp products on CPU).
-        kernel = m.syrk and syrk_backend(True) != "jnp"
-        return muon_flops(abstract_params, routing, m.ns_steps, m.ns_coefficients, kernel,
-                          m.ns_method)
-    if cfg.optim == "mop":
-        return mop_flops(abstract_params, routing)
-    if cfg.optim == "soap":
-        return soap_flops(abstract_params, routing, cfg.soap.precondition_frequency,
-                          cfg.soap.max_precond_dim)
-    return rekls_flops(abstract_params, routing, cfg.rekls.max_precond_dim)
+# Every --optim but adamw (``registry.OPTIMIZERS``).
+MATRIX_OPTIMIZERS = tuple(OPTIMIZERS)
 
 
 def make_optimizer(cfg: TrainConfig, abstract_params, mesh: jax.sharding.Mesh | None = None,
@@ -128,12 +76,16 @@ def make_optimizer(cfg: TrainConfig, abstract_params, mesh: jax.sharding.Mesh | 
     adam_schedule = (schedule if cfg.adamw.lr is None
                      else make_schedule(cfg.schedule, cfg.adamw.lr, cfg.steps))
     a, m = cfg.adamw, cfg.muon
-    if cfg.optim in MATRIX_OPTIMIZERS:
-        main = _matrix_optimizer(cfg, schedule, adam_schedule, trained)
+    if cfg.optim in OPTIMIZERS:
+        entry = OPTIMIZERS[cfg.optim]
+        common = dict(weight_decay=cfg.weight_decay, weight_decay_method=cfg.weight_decay_method,
+                      plan=trained, adamw=AdamW(adam_schedule, a.b1, a.b2, a.eps,
+                                                cfg.weight_decay, decay_mask))
+        main = entry.build(cfg, schedule, common)
         groups = tuple(cfg.optim if leaf.is_matrix else ADAMW for leaf in trained.leaves)
-        flops = _matrix_flops(cfg, abstract_params, plan.routing)
+        flops = entry.flops(cfg, abstract_params, plan.routing)
         note = None
-        if mesh is not None and cfg.optim in ("muon", "adaptive_muon"):
+        if mesh is not None and entry.newton_schulz:
             by_path = {leaf.path: leaf for leaf in trained.leaves}
             note = tp_note(TensorParallel(mesh, m.tp_mode), lambda leaf: by_path[leaf.path].held,
                            m.ns_steps, m.ns_coefficients)

@@ -1,0 +1,101 @@
+"""The matrix optimizers a run can train with, one entry each.
+
+An entry names the option groups of ``TrainConfig`` the optimizer reads (the
+resume contract keeps them; ``--muon.*``, ``--soap.*`` ...), builds its
+transformation from the run's config, and counts its matmul FLOPs per step.
+The CLI's ``--optim`` choices, ``TrainConfig.optimizer_groups``,
+``MATRIX_OPTIMIZERS`` and the FLOP accounting all read this table, so a new
+optimizer is its module under ``jmegatron.optim`` plus one entry here; a name
+with no entry is refused when the command line is parsed.
+
+Builders and FLOP counts take the run's ``TrainConfig`` (read by field, so this
+module needs nothing of ``jmegatron.train.config``, which imports it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import jax.numpy as jnp
+import optax
+
+from jmegatron.optim import (Routing, adaptive_muon, mop, mop_flops, muon, muon_flops, rekls,
+                             rekls_flops, soap, soap_flops)
+from jmegatron.optim.newton_schulz import syrk_backend
+
+# (cfg, schedule, common) -> the transformation: ``common`` holds what every matrix
+# optimizer takes (weight decay and its method, the plan, the AdamW of the other leaves).
+Build = Callable[..., optax.GradientTransformation]
+# (cfg, abstract params, routing) -> matmul FLOPs of one step on the matrices.
+Flops = Callable[..., int]
+
+
+@dataclasses.dataclass(frozen=True)
+class Entry:
+    """One ``--optim``: its option groups, its transformation, its FLOPs per step."""
+
+    groups: tuple[str, ...]
+    build: Build
+    flops: Flops
+    newton_schulz: bool = False   # runs Muon's Newton-Schulz (its tensor-parallel modes)
+
+
+def _newton_schulz(cfg) -> dict:
+    """Muon's Newton-Schulz options, as muon() and adaptive_muon() take them."""
+    m = cfg.muon
+    return dict(coefficients=m.ns_coefficients, steps=m.ns_steps, scale=m.scale,
+                rms_factor=m.rms_factor, matmul_dtype=jnp.dtype(m.ns_dtype),
+                tp_mode=m.tp_mode, syrk=m.syrk, ns_method=m.ns_method)
+
+
+def _muon_flops(cfg, abstract_params, routing: Routing) -> int:
+    m = cfg.muon
+    # SYRK's tile count only where the kernel runs (auto: jnp products on CPU).
+    kernel = m.syrk and syrk_backend(True) != "jnp"
+    return muon_flops(abstract_params, routing, m.ns_steps, m.ns_coefficients, kernel,
+                      m.ns_method)
+
+
+def _muon(cfg, schedule, common) -> optax.GradientTransformation:
+    return muon(schedule, beta=cfg.muon.momentum, **_newton_schulz(cfg), **common)
+
+
+def _adaptive_muon(cfg, schedule, common) -> optax.GradientTransformation:
+    a = cfg.adaptive_muon
+    return adaptive_muon(schedule, second_moment=a.second_moment, beta2=a.beta2, eps=a.eps,
+                         beta=cfg.muon.momentum, nesterov=a.nesterov, **_newton_schulz(cfg),
+                         **common)
+
+
+def _mop(cfg, schedule, common) -> optax.GradientTransformation:
+    p = cfg.mop
+    return mop(schedule, beta=p.momentum, nesterov=p.nesterov, scale=p.scale,
+               rms_factor=p.rms_factor, **common)
+
+
+def _soap(cfg, schedule, common) -> optax.GradientTransformation:
+    s = cfg.soap
+    return soap(schedule, b1=s.b1, b2=s.b2, shampoo_beta=s.shampoo_beta, eps=s.eps,
+                precondition_frequency=s.precondition_frequency,
+                max_precond_dim=s.max_precond_dim, **common)
+
+
+def _rekls(cfg, schedule, common) -> optax.GradientTransformation:
+    r = cfg.rekls
+    return rekls(schedule, b1=r.b1, b2=r.b2, shampoo_beta=r.shampoo_beta, eps=r.eps,
+                 max_precond_dim=r.max_precond_dim, **common)
+
+
+OPTIMIZERS: dict[str, Entry] = {
+    "muon": Entry(("muon",), _muon, _muon_flops, newton_schulz=True),
+    "soap": Entry(("soap",), _soap, lambda cfg, params, routing: soap_flops(
+        params, routing, cfg.soap.precondition_frequency, cfg.soap.max_precond_dim)),
+    "mop": Entry(("mop",), _mop, lambda cfg, params, routing: mop_flops(params, routing)),
+    "adaptive_muon": Entry(("adaptive_muon", "muon"), _adaptive_muon, _muon_flops,
+                           newton_schulz=True),
+    "rekls": Entry(("rekls",), _rekls, lambda cfg, params, routing: rekls_flops(
+        params, routing, cfg.rekls.max_precond_dim)),
+}
+# Every --optim: the matrix optimizers, and AdamW on every leaf.
+OPTIMIZER_NAMES = (*OPTIMIZERS, "adamw")
