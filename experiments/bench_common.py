@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -20,6 +21,20 @@ def best_time(fn: Callable[[], object], repeats: int = 3) -> float:
         jax.block_until_ready(fn())
         best = min(best, time.perf_counter() - start)
     return best
+
+
+def median_ms(fn, inputs: list, repeats: int, warmup: int = 1) -> float:
+    """Median wall time of ``fn(x)`` over every input and repeat, after ``warmup`` calls
+    per input (compilation, caches)."""
+    for x in inputs * warmup:
+        jax.block_until_ready(fn(x))
+    times = []
+    for _ in range(repeats):
+        for x in inputs:
+            start = time.perf_counter()
+            jax.block_until_ready(fn(x))
+            times.append(time.perf_counter() - start)
+    return 1e3 * statistics.median(times)
 
 
 def print_table(rows: Sequence[dict], columns: Sequence[tuple[str, str, str]]) -> None:

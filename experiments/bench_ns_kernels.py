@@ -30,14 +30,12 @@ from __future__ import annotations
 
 import argparse
 import functools
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
 import optax
 
-from experiments.bench_common import argv, print_table, write_results
+from experiments.bench_common import argv, median_ms, print_table, write_results
 from jmegatron.optim import newton_schulz, ns_flops
 from jmegatron.optim.coefficients import coefficient_set
 from jmegatron.optim.newton_schulz import resolve_method
@@ -49,20 +47,6 @@ STACKS = {False: [(64, 1024, 1024), (128, 768, 2048)], True: [(8, 128, 128), (8,
 MATMUL_N = {False: 8192, True: 1024}
 TABLES = ("throughput", "stacked")
 DTYPES = {"bf16": jnp.bfloat16, "fp32": jnp.float32}
-
-
-def median_ms(fn, inputs: list, repeats: int) -> float:
-    """Median wall time of ``fn(x)`` over every input and repeat, after one warm-up
-    call per input (compilation, caches)."""
-    for x in inputs:
-        jax.block_until_ready(fn(x))
-    times = []
-    for _ in range(repeats):
-        for x in inputs:
-            start = time.perf_counter()
-            jax.block_until_ready(fn(x))
-            times.append(time.perf_counter() - start)
-    return 1e3 * statistics.median(times)
 
 
 def inputs(shape: tuple[int, ...], dtype=jnp.float32, count: int = 3) -> list[jax.Array]:

@@ -25,14 +25,12 @@ from __future__ import annotations
 
 import argparse
 import functools
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from experiments.bench_common import argv, print_table, write_results
+from experiments.bench_common import argv, median_ms, print_table, write_results
 from jmegatron.optim.coefficients import COEFFICIENT_SETS
 from jmegatron.optim.kernels import DEFAULT_BLOCK, DEFAULT_BLOCK_K, resolve_backend, syrk, \
     syrk_flops
@@ -41,20 +39,6 @@ from jmegatron.optim.newton_schulz import ns_flops, ns_step
 FULL = [(1024, 1024), (2048, 2048), (4096, 4096), (8192, 8192), (4096, 16384)]
 SMALL = [(128, 512), (256, 256), (256, 1024)]
 STEP = COEFFICIENT_SETS["quintic"].steps[0]     # one iteration's (a, b, c)
-
-
-def median_ms(fn, inputs: list, repeats: int) -> float:
-    """Median wall time of ``fn(x)`` over every input set and repeat, after one warm-up
-    call per set (compilation, caches)."""
-    for x in inputs:
-        jax.block_until_ready(fn(x))
-    times = []
-    for _ in range(repeats):
-        for x in inputs:
-            start = time.perf_counter()
-            jax.block_until_ready(fn(x))
-            times.append(time.perf_counter() - start)
-    return 1e3 * statistics.median(times)
 
 
 def variants(backend: str, dtype, block: int, block_k: int) -> dict:

@@ -31,14 +31,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from experiments.bench_common import argv, print_table, write_results
+from experiments.bench_common import argv, median_ms, print_table, write_results
 from experiments.presets import PRESETS
 from jmegatron.models import GPT, GPTConfig
 from jmegatron.sharding import MeshConfig, make_mesh
@@ -76,18 +74,7 @@ def matmul_rate(n: int, repeats: int = 10) -> float:
     """FLOP/s of one n^3 bf16 product (fp32 accumulation) on random inputs."""
     a = jax.random.normal(jax.random.key(0), (n, n), jnp.bfloat16)
     mm = jax.jit(lambda a: jnp.matmul(a, a, preferred_element_type=jnp.float32))
-    return 2 * n ** 3 / (median_seconds(lambda: mm(a), 2, repeats))
-
-
-def median_seconds(fn, warmup: int, repeats: int) -> float:
-    for _ in range(warmup):
-        jax.block_until_ready(fn())
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return 2 * n ** 3 / (median_ms(mm, [a], repeats, warmup=2) / 1e3)
 
 
 def measure(cfg: TrainConfig, steps: int) -> dict:
@@ -105,11 +92,11 @@ def measure(cfg: TrainConfig, steps: int) -> dict:
                                 model_cfg.vocab_size)
     box = [state]
 
-    def one_step():
+    def one_step(tokens):
         box[0], metrics = step(box[0], tokens)   # the state is donated: carry it on
         return metrics["loss"]
 
-    seconds = median_seconds(one_step, 2, steps)
+    seconds = median_ms(one_step, [tokens], steps, warmup=2) / 1e3
     stats = jax.devices()[0].memory_stats() or {}
     return {"ms": 1e3 * seconds, "params": model_cfg.param_count(),
             "model_flops": model_cfg.flops_per_token(cfg.seq_len) * cfg.batch_size * cfg.seq_len,
