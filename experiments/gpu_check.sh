@@ -13,7 +13,9 @@ cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
 [ -x "$PY" ] || PY=python
 BACKEND=${SYRK_BACKEND:-pallas}
-if [ "$BACKEND" = interpret ]; then export JAX_PLATFORMS=cpu; fi
+# tests/conftest.py puts JAX on the CPU unless JAX_PLATFORMS says otherwise: the compiled
+# kernel needs the GPU named.
+if [ "$BACKEND" = interpret ]; then export JAX_PLATFORMS=cpu; else export JAX_PLATFORMS=${JAX_PLATFORMS:-cuda}; fi
 
 echo "== 1. tests/test_syrk.py, backend $BACKEND"
 JMEGATRON_SYRK_BACKEND=$BACKEND JAX_DEFAULT_MATMUL_PRECISION=highest \
