@@ -109,7 +109,11 @@ def table(model: str, rows: list[str], args, rate: float) -> list[dict]:
     out = []
     for row in rows:
         cfg = run_config(model, row, args.small, args.batch, args.seq_len)
-        m = measure(cfg, args.steps)
+        try:
+            m = measure(cfg, args.steps)
+        except Exception as err:   # one row failing (a kernel, memory) leaves the others
+            print(f"{model} {row}: failed: {type(err).__name__}: {str(err).splitlines()[0]}")
+            continue
         seconds = m["ms"] / 1e3
         model_rate, opt_rate = m["model_flops"] / seconds, m["optimizer_flops"] / seconds
         out.append({"model": model, "variant": row, "ms": m["ms"],
@@ -157,6 +161,8 @@ def main(args_list: list[str] | None = None) -> list[dict]:
     results = []
     for model in models:
         part = table(model, rows, args, rate)
+        if not part:
+            continue
         print(f"\n{model} ({part[0]['params_m']:,.1f}M params)")
         print_table(part, [("variant", "optimizer", ""), ("ms", "ms/step", ".1f"),
                            ("tokens_per_s", "tok/s", ",.0f"),
