@@ -49,6 +49,16 @@ TABLES = ("throughput", "stacked")
 DTYPES = {"bf16": jnp.bfloat16, "fp32": jnp.float32}
 
 
+def timed(what: str, fn, xs: list, repeats: int) -> float | None:
+    """``median_ms``, or None after one line if the variant fails (a kernel that does
+    not compile leaves the other rows of a GPU run)."""
+    try:
+        return median_ms(fn, xs, repeats)
+    except Exception as err:
+        print(f"{what}: failed: {type(err).__name__}: {str(err).splitlines()[0][:200]}")
+        return None
+
+
 def inputs(shape: tuple[int, ...], dtype=jnp.float32, count: int = 3) -> list[jax.Array]:
     return [jax.random.normal(jax.random.key(seed), shape, dtype) for seed in range(count)]
 
@@ -85,7 +95,9 @@ def throughput_table(small: bool, syrk: str, repeats: int) -> list[dict]:
             for name, fn in methods(dtype, syrk).items():
                 if name == "gram" and resolve_method("auto", m, n, STEPS) != "gram":
                     continue   # no FLOPs saved on this shape: the standard row is the one
-                ms = median_ms(fn, xs, repeats)
+                ms = timed(f"{m}x{n} {dtype_name} {name}", fn, xs, repeats)
+                if ms is None:
+                    continue
                 base = base or ms
                 rows.append({"table": "throughput", "shape": f"{m}x{n}", "dtype": dtype_name,
                              "variant": name, "ms": ms, "useful_tflops": useful / ms / 1e9,
@@ -122,7 +134,9 @@ def stacked_table(small: bool, repeats: int) -> list[dict]:
         }
         base = None
         for name, (fn, xs, work) in variants.items():
-            ms = median_ms(fn, xs, repeats)
+            ms = timed(f"{batch} x {m}x{n} {name}", fn, xs, repeats)
+            if ms is None:
+                continue
             base = base or ms
             rows.append({"table": "stacked", "batch": f"{batch} x {m}x{n}", "variant": name,
                          "ms": ms, "tflops": work / ms / 1e9, "time_vs_stacked": ms / base})
