@@ -23,14 +23,17 @@ rate measured on the same device (N^3 with random inputs, N = 8192; 512 with
 --small); the optimizer's matmul TFLOP/s (``flops_per_step`` / step time) and
 the total MFU (model + optimizer FLOPs, as NVIDIA reports Muon's); Muon's model
 throughput relative to AdamW's; peak device memory (where the backend reports
-it). ``experiments/gpu_train.sh`` runs it on a GPU; on CPU use ``--small``
-(tiny shapes: it shows the script works, not how fast anything is).
+it). ``--profile DIR`` also traces a few steps of each model's Muon row and
+prints the ops with the most device time. ``experiments/gpu_train.sh`` runs it
+on a GPU; on CPU use ``--small`` (tiny shapes: it shows the script works, not
+how fast anything is).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -77,8 +80,9 @@ def matmul_rate(n: int, repeats: int = 10) -> float:
     return 2 * n ** 3 / (median_ms(mm, [a], repeats, warmup=2) / 1e3)
 
 
-def measure(cfg: TrainConfig, steps: int) -> dict:
-    """Median step time of ``cfg``'s train step, its FLOPs and peak memory."""
+def build_step(cfg: TrainConfig):
+    """(the jitted train step, its first state, fixed random tokens) of ``cfg`` on one
+    device, as the trainer builds them."""
     mesh = make_mesh(cfg.mesh, jax.devices()[:1])
     layout = make_layout(cfg.layout, mesh.shape)
     model_cfg: GPTConfig = dataclasses.replace(cfg.model.pad_vocab(1),
@@ -90,6 +94,12 @@ def measure(cfg: TrainConfig, steps: int) -> dict:
     step = make_train_step(loss_fn, optimizer, cfg.microbatches, mesh, layout.rules)
     tokens = jax.random.randint(jax.random.key(1), (cfg.batch_size, cfg.seq_len + 1), 0,
                                 model_cfg.vocab_size)
+    return step, state, tokens, model_cfg, optimizer
+
+
+def measure(cfg: TrainConfig, steps: int) -> dict:
+    """Median step time of ``cfg``'s train step, its FLOPs and peak memory."""
+    step, state, tokens, model_cfg, optimizer = build_step(cfg)
     box = [state]
 
     def one_step(tokens):
@@ -103,6 +113,39 @@ def measure(cfg: TrainConfig, steps: int) -> dict:
             "optimizer_flops": optimizer.flops_per_step,
             "peak_gib": stats["peak_bytes_in_use"] / 2 ** 30
             if "peak_bytes_in_use" in stats else None}
+
+
+def profile(cfg: TrainConfig, folder: str, steps: int = 3, top: int = 15) -> list[dict]:
+    """The device ops that took the most time over ``steps`` train steps of ``cfg``
+    (after compiling), read from a ``jax.profiler`` trace written to ``folder``."""
+    step, state, tokens, _, _ = build_step(cfg)
+    state, _ = step(state, tokens)   # compiled before the trace starts
+    with jax.profiler.trace(folder):
+        for _ in range(steps):
+            state, metrics = step(state, tokens)
+        jax.block_until_ready(metrics["loss"])
+    return top_ops(folder, steps, top)
+
+
+def top_ops(folder: str, steps: int, top: int) -> list[dict]:
+    """Per op name, its time per step summed over the newest trace in ``folder``: the
+    GPU's "XLA Ops" lines, or on CPU the ops XLA's threads ran (their executor and
+    loop events left out, which contain the others)."""
+    trace = max(Path(folder).rglob("*.xplane.pb"), key=lambda f: f.stat().st_mtime)
+    data = jax.profiler.ProfileData.from_file(str(trace))
+    gpu = [line for p in data.planes if p.name.startswith("/device:GPU")
+           for line in p.lines if line.name == "XLA Ops"]
+    cpu = [line for p in data.planes if p.name == "/host:CPU"
+           for line in p.lines if line.name.startswith("tf_XLA")]
+    totals: dict[str, float] = {}
+    for line in gpu or cpu:
+        for event in line.events:
+            if not event.name.startswith(("ThunkExecutor", "while")):
+                totals[event.name] = totals.get(event.name, 0) + event.duration_ns
+    everything = sum(totals.values()) or 1
+    ranked = sorted(totals.items(), key=lambda item: -item[1])[:top]
+    return [{"op": name[:70], "ms_per_step": ns / steps / 1e6, "share": ns / everything}
+            for name, ns in ranked]
 
 
 def table(model: str, rows: list[str], args, rate: float) -> list[dict]:
@@ -139,6 +182,9 @@ def parser() -> argparse.ArgumentParser:
                         help="sequences per step (default 8; 2 with --small)")
     parser.add_argument("--seq-len", type=int, default=None,
                         help="tokens per sequence (default 2048; 64 with --small)")
+    parser.add_argument("--profile", default=None, metavar="DIR",
+                        help="also trace 3 steps of each model's muon row (or its first) into "
+                             "DIR and print the ops that took the most device time")
     parser.add_argument("--out", default=None)
     return parser
 
@@ -172,6 +218,15 @@ def main(args_list: list[str] | None = None) -> list[dict]:
                            ("model_tflops_vs_adamw", "model vs AdamW", ".3f"),
                            ("peak_gib", "peak GiB", ".1f")])
         results += part
+        if args.profile:
+            row = "muon" if "muon" in rows else rows[0]
+            ops = profile(run_config(model, row, args.small, args.batch, args.seq_len),
+                          f"{args.profile}/{model}-{row}")
+            print(f"\n{model} {row}: the ops with the most device time"
+                  f"{'' if ops else ': none found in the trace'}")
+            if ops:
+                print_table(ops, [("op", "op", ""), ("ms_per_step", "ms/step", ".2f"),
+                                  ("share", "share", ".1%")])
     write_results("bench_train_speed", results, args.out,
                   argv() if args_list is None else args_list)
     return results

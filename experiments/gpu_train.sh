@@ -4,7 +4,8 @@
 #      AdamW, Muon (standard, Gram, SYRK Newton-Schulz) and SOAP (its regular step and its
 #      refresh step); gpt2-small and qwen3-moe-small with AdamW and Muon: step time,
 #      tokens/s, model and optimizer TFLOP/s, MFU and total MFU against the measured bf16
-#      matmul rate, peak memory;
+#      matmul rate, peak memory; and the ops with the most device time in the 1B Muon step
+#      (a jax.profiler trace, read back without TensorBoard);
 #   2. bench_attention --gpu: the einsum path, the flash path (cuDNN + a blockwise pass for
 #      the largest logit) and cuDNN alone at T = 2048 and 4096, bf16;
 #   3. bench_checkpoint: checkpoint checksums' speed on the GPU beside orbax's save.
@@ -29,10 +30,11 @@ echo "== jax $("$PY" -c 'import jax; print(jax.__version__, jax.devices()[0].dev
 # others. One step failing (out of memory, a compile error) leaves the next to run.
 train() {
     timeout "$1" "$PY" -m experiments.bench_train_speed "${TRAIN[@]}" --models "$2" \
-        --rows "$3" --out "bench_results/bench_train_speed_$2.json" || echo "== $2: failed ($?)"
+        --rows "$3" "${@:4}" --out "bench_results/bench_train_speed_$2.json" \
+        || echo "== $2: failed ($?)"
 }
 echo "== 1. bench_train_speed"
-train 240 dense-1b adamw,muon,muon-gram,muon-syrk,soap,soap-refresh
+train 240 dense-1b adamw,muon,muon-gram,muon-syrk,soap,soap-refresh --profile /tmp/jmegatron-profile
 train 75 gpt2-small adamw,muon
 train 75 qwen3-moe-small adamw,muon
 
