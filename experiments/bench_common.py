@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
 import sys
@@ -35,6 +36,20 @@ def median_ms(fn, inputs: list, repeats: int, warmup: int = 1) -> float:
             jax.block_until_ready(fn(x))
             times.append(time.perf_counter() - start)
     return 1e3 * statistics.median(times)
+
+
+def add_tables_option(parser: argparse.ArgumentParser, tables: Sequence[str]) -> None:
+    """``--only``: a comma list of the benchmark's ``tables`` (default all)."""
+    parser.add_argument("--only", default=",".join(tables),
+                        help=f"comma list of tables, of {tuple(tables)} (default all)")
+
+
+def chosen_tables(cli: argparse.ArgumentParser, only: str, tables: Sequence[str]) -> list[str]:
+    """``--only``'s tables in the benchmark's order; an unknown one is a usage error."""
+    wanted = only.split(",")
+    if unknown := set(wanted) - set(tables):
+        cli.error(f"unknown tables {sorted(unknown)}; choose from {tuple(tables)}")
+    return [name for name in tables if name in wanted]
 
 
 def print_table(rows: Sequence[dict], columns: Sequence[tuple[str, str, str]]) -> None:

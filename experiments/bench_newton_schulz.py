@@ -34,7 +34,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from experiments.bench_common import argv, best_time, print_table, write_results
+from experiments.bench_common import (add_tables_option, argv, best_time, chosen_tables,
+                                      print_table, write_results)
 from jmegatron.optim import newton_schulz, ns_flops
 from jmegatron.optim.coefficients import coefficient_set
 
@@ -177,8 +178,7 @@ def parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--small", action="store_true", help="smaller shapes (a few minutes)")
-    parser.add_argument("--only", default=",".join(TABLES),
-                        help=f"comma list of tables, of {TABLES} (default all)")
+    add_tables_option(parser, TABLES)
     parser.add_argument("--out", default=None)
     return parser
 
@@ -186,11 +186,9 @@ def parser() -> argparse.ArgumentParser:
 def main(args_list: list[str] | None = None) -> list[dict]:
     cli = parser()
     args = cli.parse_args(args_list)
-    tables = args.only.split(",")
-    if unknown := set(tables) - set(TABLES):
-        cli.error(f"unknown tables {sorted(unknown)}; choose from {TABLES}")
+    tables = chosen_tables(cli, args.only, TABLES)
     builders = {"variants": variants_table, "methods": methods_table, "restarts": restarts_table}
-    rows = [row for name in TABLES if name in tables for row in builders[name](args.small)]
+    rows = [row for name in tables for row in builders[name](args.small)]
     write_results("bench_newton_schulz", rows, args.out, argv() if args_list is None else args_list)
     return rows
 

@@ -35,7 +35,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from experiments.bench_common import argv, median_ms, print_table, write_results
+from experiments.bench_common import (add_tables_option, argv, chosen_tables, median_ms,
+                                      print_table, write_results)
 from jmegatron.optim import newton_schulz, ns_flops
 from jmegatron.optim.coefficients import coefficient_set
 from jmegatron.optim.newton_schulz import resolve_method
@@ -151,8 +152,7 @@ def parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--small", action="store_true", help="small shapes (CPU, about a minute)")
-    parser.add_argument("--only", default=",".join(TABLES),
-                        help=f"comma list of tables, of {TABLES} (default all)")
+    add_tables_option(parser, TABLES)
     parser.add_argument("--syrk", default="auto",
                         help="SYRK backend: auto (the compiled kernel on GPU), pallas, "
                              "interpret or jnp")
@@ -164,14 +164,12 @@ def parser() -> argparse.ArgumentParser:
 def main(args_list: list[str] | None = None) -> list[dict]:
     cli = parser()
     args = cli.parse_args(args_list)
-    tables = args.only.split(",")
-    if unknown := set(tables) - set(TABLES):
-        cli.error(f"unknown tables {sorted(unknown)}; choose from {TABLES}")
+    tables = chosen_tables(cli, args.only, TABLES)
     if args.repeats < 1:
         cli.error(f"--repeats {args.repeats}: must be >= 1")
     builders = {"throughput": lambda: throughput_table(args.small, args.syrk, args.repeats),
                 "stacked": lambda: stacked_table(args.small, args.repeats)}
-    rows = [row for name in TABLES if name in tables for row in builders[name]()]
+    rows = [row for name in tables for row in builders[name]()]
     write_results("bench_ns_kernels", rows, args.out, argv() if args_list is None else args_list)
     return rows
 
