@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 import jax
+import jax.numpy as jnp
 
 
 def best_time(fn: Callable[[], object], repeats: int = 3) -> float:
@@ -36,6 +37,14 @@ def median_ms(fn, inputs: list, repeats: int, warmup: int = 1) -> float:
             jax.block_until_ready(fn(x))
             times.append(time.perf_counter() - start)
     return 1e3 * statistics.median(times)
+
+
+def bf16_matmul_rate(n: int, repeats: int = 10) -> float:
+    """FLOP/s of one n x n x n bf16 product with fp32 accumulation on random inputs:
+    the device's own ceiling for bf16 work (median of ``repeats``)."""
+    a = jax.random.normal(jax.random.key(0), (n, n), jnp.bfloat16)
+    mm = jax.jit(lambda a: jnp.matmul(a, a, preferred_element_type=jnp.float32))
+    return 2 * n ** 3 / (median_ms(mm, [a], repeats, warmup=2) / 1e3)
 
 
 def add_tables_option(parser: argparse.ArgumentParser, tables: Sequence[str]) -> None:

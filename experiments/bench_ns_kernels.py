@@ -35,8 +35,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from experiments.bench_common import (add_tables_option, argv, chosen_tables, median_ms,
-                                      print_table, write_results)
+from experiments.bench_common import (add_tables_option, argv, bf16_matmul_rate,
+                                      chosen_tables, median_ms, print_table, write_results)
 from jmegatron.optim import newton_schulz, ns_flops
 from jmegatron.optim.coefficients import coefficient_set
 from jmegatron.optim.newton_schulz import resolve_method
@@ -64,12 +64,6 @@ def inputs(shape: tuple[int, ...], dtype=jnp.float32, count: int = 3) -> list[ja
     return [jax.random.normal(jax.random.key(seed), shape, dtype) for seed in range(count)]
 
 
-def matmul_rate(n: int, repeats: int) -> float:
-    """FLOP/s of one n x n x n bf16 product with fp32 accumulation (the device's own)."""
-    mm = jax.jit(lambda a: jnp.matmul(a, a, preferred_element_type=jnp.float32))
-    return 2 * n ** 3 / (median_ms(mm, inputs((n, n), jnp.bfloat16), repeats) / 1e3)
-
-
 def methods(dtype, syrk: str) -> dict:
     """name -> jitted Newton-Schulz of one matrix or stack, in the matmul dtype."""
     ours = lambda **kw: jax.jit(functools.partial(newton_schulz, steps=STEPS,
@@ -84,7 +78,7 @@ def methods(dtype, syrk: str) -> dict:
 
 
 def throughput_table(small: bool, syrk: str, repeats: int) -> list[dict]:
-    rate = matmul_rate(MATMUL_N[small], repeats)
+    rate = bf16_matmul_rate(MATMUL_N[small], repeats)
     print(f"bf16 matmul rate ({MATMUL_N[small]}^3): {rate / 1e12:.1f} TFLOP/s "
           f"({jax.devices()[0].device_kind})")
     rows = []

@@ -36,10 +36,10 @@ import dataclasses
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 from flax import nnx
 
-from experiments.bench_common import argv, median_ms, print_table, write_results
+from experiments.bench_common import (argv, bf16_matmul_rate, median_ms, print_table,
+                                      write_results)
 from experiments.presets import PRESETS
 from jmegatron.models import GPT, GPTConfig
 from jmegatron.sharding import MeshConfig, make_mesh
@@ -73,16 +73,9 @@ def run_config(model: str, row: str, small: bool, batch: int, seq_len: int) -> T
                                batch_size=batch, seq_len=seq_len, microbatches=1, **ROWS[row])
 
 
-def matmul_rate(n: int, repeats: int = 10) -> float:
-    """FLOP/s of one n^3 bf16 product (fp32 accumulation) on random inputs."""
-    a = jax.random.normal(jax.random.key(0), (n, n), jnp.bfloat16)
-    mm = jax.jit(lambda a: jnp.matmul(a, a, preferred_element_type=jnp.float32))
-    return 2 * n ** 3 / (median_ms(mm, [a], repeats, warmup=2) / 1e3)
-
-
 def build_step(cfg: TrainConfig):
-    """(the jitted train step, its first state, fixed random tokens) of ``cfg`` on one
-    device, as the trainer builds them."""
+    """(the jitted train step, its first state, fixed random tokens, the model config,
+    the optimizer) of ``cfg`` on one device, as the trainer builds them."""
     mesh = make_mesh(cfg.mesh, jax.devices()[:1])
     layout = make_layout(cfg.layout, mesh.shape)
     model_cfg: GPTConfig = dataclasses.replace(cfg.model.pad_vocab(1),
@@ -97,8 +90,10 @@ def build_step(cfg: TrainConfig):
     return step, state, tokens, model_cfg, optimizer
 
 
-def measure(cfg: TrainConfig, steps: int) -> dict:
-    """Median step time of ``cfg``'s train step, its FLOPs and peak memory."""
+def measure(cfg: TrainConfig, steps: int, trace: str | None = None) -> dict:
+    """Median step time of ``cfg``'s train step, its FLOPs and peak memory; with
+    ``trace`` (a folder), also the ops that took the most device time in 3 more
+    steps of the same compiled step (``top_ops``)."""
     step, state, tokens, model_cfg, optimizer = build_step(cfg)
     box = [state]
 
@@ -108,23 +103,16 @@ def measure(cfg: TrainConfig, steps: int) -> dict:
 
     seconds = median_ms(one_step, [tokens], steps, warmup=2) / 1e3
     stats = jax.devices()[0].memory_stats() or {}
+    ops = None
+    if trace:
+        with jax.profiler.trace(trace):
+            jax.block_until_ready([one_step(tokens) for _ in range(3)])
+        ops = top_ops(trace, 3, 15)
     return {"ms": 1e3 * seconds, "params": model_cfg.param_count(),
             "model_flops": model_cfg.flops_per_token(cfg.seq_len) * cfg.batch_size * cfg.seq_len,
-            "optimizer_flops": optimizer.flops_per_step,
+            "optimizer_flops": optimizer.flops_per_step, "top_ops": ops,
             "peak_gib": stats["peak_bytes_in_use"] / 2 ** 30
             if "peak_bytes_in_use" in stats else None}
-
-
-def profile(cfg: TrainConfig, folder: str, steps: int = 3, top: int = 15) -> list[dict]:
-    """The device ops that took the most time over ``steps`` train steps of ``cfg``
-    (after compiling), read from a ``jax.profiler`` trace written to ``folder``."""
-    step, state, tokens, _, _ = build_step(cfg)
-    state, _ = step(state, tokens)   # compiled before the trace starts
-    with jax.profiler.trace(folder):
-        for _ in range(steps):
-            state, metrics = step(state, tokens)
-        jax.block_until_ready(metrics["loss"])
-    return top_ops(folder, steps, top)
 
 
 def top_ops(folder: str, steps: int, top: int) -> list[dict]:
@@ -150,10 +138,12 @@ def top_ops(folder: str, steps: int, top: int) -> list[dict]:
 
 def table(model: str, rows: list[str], args, rate: float) -> list[dict]:
     out = []
+    profiled = "muon" if "muon" in rows else rows[0]
     for row in rows:
         cfg = run_config(model, row, args.small, args.batch, args.seq_len)
+        trace = f"{args.profile}/{model}-{row}" if args.profile and row == profiled else None
         try:
-            m = measure(cfg, args.steps)
+            m = measure(cfg, args.steps, trace)
         except Exception as err:   # one row failing (a kernel, memory) leaves the others
             print(f"{model} {row}: failed: {type(err).__name__}: {str(err).splitlines()[0]}")
             continue
@@ -164,7 +154,8 @@ def table(model: str, rows: list[str], args, rate: float) -> list[dict]:
                     "model_tflops": model_rate / 1e12, "mfu": model_rate / rate,
                     "optimizer_tflops": opt_rate / 1e12,
                     "total_mfu": (model_rate + opt_rate) / rate, "peak_gib": m["peak_gib"],
-                    "params_m": m["params"] / 1e6, "matmul_tflops": rate / 1e12})
+                    "params_m": m["params"] / 1e6, "matmul_tflops": rate / 1e12,
+                    "top_ops": m["top_ops"]})
     adamw = next((r for r in out if r["variant"] == "adamw"), None)
     for r in out:
         r["model_tflops_vs_adamw"] = r["model_tflops"] / adamw["model_tflops"] if adamw else None
@@ -201,7 +192,7 @@ def main(args_list: list[str] | None = None) -> list[dict]:
         cli.error(f"--steps {args.steps}: must be >= 1")
     args.batch = args.batch or (2 if args.small else 8)
     args.seq_len = args.seq_len or (64 if args.small else 2048)
-    rate = matmul_rate(512 if args.small else 8192)
+    rate = bf16_matmul_rate(512 if args.small else 8192)
     print(f"{jax.devices()[0].device_kind}: bf16 matmul {rate / 1e12:.1f} TFLOP/s; batch "
           f"{args.batch} x {args.seq_len} tokens, median of {args.steps} steps")
     results = []
@@ -218,15 +209,14 @@ def main(args_list: list[str] | None = None) -> list[dict]:
                            ("model_tflops_vs_adamw", "model vs AdamW", ".3f"),
                            ("peak_gib", "peak GiB", ".1f")])
         results += part
-        if args.profile:
-            row = "muon" if "muon" in rows else rows[0]
-            ops = profile(run_config(model, row, args.small, args.batch, args.seq_len),
-                          f"{args.profile}/{model}-{row}")
-            print(f"\n{model} {row}: the ops with the most device time"
-                  f"{'' if ops else ': none found in the trace'}")
-            if ops:
-                print_table(ops, [("op", "op", ""), ("ms_per_step", "ms/step", ".2f"),
-                                  ("share", "share", ".1%")])
+        for r in part:
+            if r["top_ops"] is not None:
+                print(f"\n{model} {r['variant']}: the ops with the most device time"
+                      f"{'' if r['top_ops'] else ': none found in the trace'}")
+                if r["top_ops"]:
+                    print_table(r["top_ops"], [("op", "op", ""),
+                                               ("ms_per_step", "ms/step", ".2f"),
+                                               ("share", "share", ".1%")])
     write_results("bench_train_speed", results, args.out,
                   argv() if args_list is None else args_list)
     return results
