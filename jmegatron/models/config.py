@@ -7,6 +7,7 @@ import math
 from typing import Literal
 
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
+ATTENTION_PATHS = ("einsum", "flash")   # layers.ATTENTION has one function for each
 
 
 class ConfigError(Exception):
@@ -171,8 +172,8 @@ class GPTConfig:
                                            and 0 < self.rope_scaling[1] < self.rope_scaling[2]),
                  f"rope_scaling={self.rope_scaling} must be (factor, low_freq_factor, "
                  "high_freq_factor, original context) with low < high")
-        _require(self.attention in ("einsum", "flash"),
-                 f"attention={self.attention!r}; choose einsum or flash")
+        _require(self.attention in ATTENTION_PATHS,
+                 f"attention={self.attention!r}; choose one of {ATTENTION_PATHS}")
         _require(self.remat in REMAT_POLICIES,
                  f"remat={self.remat!r}; choose one of {REMAT_POLICIES}")
         _require(self.n_heads % self.n_kv_heads == 0,

@@ -301,9 +301,9 @@ class Trainer:
         self.claim.release(started=False)
 
     def _finished(self) -> dict:
-        """--resume of a run that has trained its --steps: says so and changes nothing."""
-        self.checkpointer.close()
-        self.claim.release(started=False)   # removes only a folder this start created
+        """--resume of a run that has trained its --steps: says so and changes nothing
+        (``close`` removes only a folder this start created, for --resume-from)."""
+        self.close()
         summary = {"steps": self.start_step, "run_dir": str(self.run_dir)}
         with contextlib.suppress(ValueError):   # its numbers, if it wrote them
             summary = run_folder.read_json(self.run_dir / "summary.json")

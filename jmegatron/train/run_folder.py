@@ -114,14 +114,15 @@ class Claim:
 
     def __init__(self, run_dir: Path, cfg: TrainConfig):
         self.run_dir, self.lock = run_dir, RunLock(run_dir)
-        self.created, self.before, self.held_run = not run_dir.exists(), set(), True
+        self.created = not run_dir.exists()
+        self.before: set[str] | None = None   # the folder's entries once locked
         error = None
         if is_main():
             try:
                 run_dir.mkdir(parents=True, exist_ok=True)
                 self.lock.acquire()
                 # What a failed start may remove, read once no one else writes here.
-                self.before, self.held_run = set(os.listdir(run_dir)), bool(held_files(run_dir))
+                self.before = set(os.listdir(run_dir))
                 check_run_folder(run_dir, cfg)   # as planned, now under the lock
             except (OSError, ValueError, RunFolderError) as err:
                 self.release(started=False)
@@ -137,7 +138,7 @@ class Claim:
         """Unlocks; without a first step, removes what a failed start created."""
         if self.lock.fd is None:   # not taken (or not process 0): nothing of ours to undo
             return
-        if not started and not self.held_run:
+        if not started and self.before is not None and not self.before & set(RUN_FILES):
             if self.created:
                 shutil.rmtree(self.run_dir, ignore_errors=True)
             else:
