@@ -146,7 +146,7 @@ def measure(variant: str, mesh, model: GPTConfig, tokens, optim: str = "muon") -
     if variant == OPTAX:
         optimizer = optax_muon(train, optimizer)
     graphdef, state = create_train_state(make_model, optimizer.tx, optimizer.plan)
-    loss_fn = make_loss_fn(graphdef, cfg, mesh, layout.rules)
+    loss_fn = make_loss_fn(graphdef, cfg, mesh, layout)
     params = trainable_params(state.params)   # what the optimizer gets
     grads = jax.jit(jax.grad(lambda p, rest, t: loss_fn(nnx.merge_state(rest, p), t)[0]))(
         params, state.params, tokens)

@@ -83,7 +83,7 @@ def build_step(cfg: TrainConfig):
     make_model = lambda: GPT(model_cfg, nnx.Rngs(cfg.seed))
     optimizer = make_optimizer(cfg, nnx.split(nnx.eval_shape(make_model))[1], mesh, layout)
     graphdef, state = create_train_state(make_model, optimizer.tx, optimizer.plan)
-    loss_fn = make_loss_fn(graphdef, model_cfg, mesh, layout.rules)
+    loss_fn = make_loss_fn(graphdef, model_cfg, mesh, layout)
     step = make_train_step(loss_fn, optimizer, cfg.microbatches, mesh, layout.rules)
     tokens = jax.random.randint(jax.random.key(1), (cfg.batch_size, cfg.seq_len + 1), 0,
                                 model_cfg.vocab_size)

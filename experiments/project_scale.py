@@ -281,7 +281,7 @@ def build_programs(s: Setting, layout_name: str, devices=None) -> Programs:
 
     mesh, layout, cfg, optimizer, graphdef, state, tokens = abstract_program(
         s, layout_name, devices)
-    loss_fn = make_loss_fn(graphdef, cfg, mesh, layout.rules)
+    loss_fn = make_loss_fn(graphdef, cfg, mesh, layout)
     return Programs(mesh, layout, cfg, optimizer, graphdef, state, tokens, loss_fn,
                     make_train_step(loss_fn, optimizer, 1, mesh, layout.rules),
                     jax.jit(opt_step_fn(optimizer)))

@@ -56,7 +56,7 @@ def train_three_steps(mesh, layout_name, microbatches=1, tp_mode="auto", model=M
     train = dataclasses.replace(TRAIN, muon=dataclasses.replace(TRAIN.muon, tp_mode=tp_mode),
                                 assignment=assignment)
     layout, optimizer, graphdef, state = build(mesh, layout_name, model, train)
-    loss_fn = make_loss_fn(graphdef, model, mesh, layout.rules)
+    loss_fn = make_loss_fn(graphdef, model, mesh, layout)
     step = make_train_step(loss_fn, optimizer, microbatches, mesh, layout.rules,
                            qk_clipper(model, QK_TAU))
     clipped = 0
@@ -279,7 +279,7 @@ def test_owner_gathers_one_group_at_a_time_and_reduce_scatters_gradients(fsdp8):
     all-gather per group in each pass and one reduce-scatter per group backward."""
     model = dataclasses.replace(WIDE, n_layers=16)
     layout, _, graphdef, state = build(fsdp8, "owner", model)
-    loss_fn = make_loss_fn(graphdef, model, fsdp8, layout.rules)
+    loss_fn = make_loss_fn(graphdef, model, fsdp8, layout)
     tokens = jax.device_put(batches()[0], jax.NamedSharding(fsdp8, jax.P(("data", "fsdp"))))
     report = hlo_collectives(jax.jit(jax.grad(lambda p: loss_fn(p, tokens)[0])), state.params)
     block_leaves = len(jax.tree.leaves(state.params["blocks"]))
@@ -303,7 +303,7 @@ def test_owner_under_tensor_parallelism_keeps_the_weights_split():
     reports = {}
     for name in ("fsdp", "owner"):
         layout, _, graphdef, state = build(mesh, name, WIDE)
-        loss_fn = make_loss_fn(graphdef, WIDE, mesh, layout.rules)
+        loss_fn = make_loss_fn(graphdef, WIDE, mesh, layout)
         reports[name] = hlo_collectives(jax.jit(jax.grad(lambda p: loss_fn(p, tokens)[0])),
                                         state.params)
     owner, fsdp = reports["owner"], reports["fsdp"]
@@ -326,7 +326,7 @@ def test_layerwise_reduce_scatters_gradients_onto_the_owners(fsdp8):
     reduce-scatter of the whole stack, split as the optimizer state is (no block
     weight all-reduced); XLA's all-reduce inside the layer loop sent twice the bytes."""
     layout, optimizer, graphdef, state = build(fsdp8, "layerwise", WIDE)
-    loss_fn = make_loss_fn(graphdef, WIDE, fsdp8, layout.rules)
+    loss_fn = make_loss_fn(graphdef, WIDE, fsdp8, layout)
     tokens = jax.device_put(batches()[0], jax.NamedSharding(fsdp8, jax.P(("data", "fsdp"))))
     grad = jax.jit(jax.grad(lambda p: loss_fn(p, tokens)[0]))
     report = hlo_collectives(grad, state.params)
@@ -361,7 +361,7 @@ def test_layerwise_bf16_model_sums_its_gradients_like_fsdp(mesh_config, scattere
     grads = {}
     for name in ("fsdp", "layerwise"):
         layout, optimizer, graphdef, state = build(mesh, name, model)
-        loss_fn = make_loss_fn(graphdef, model, mesh, layout.rules)
+        loss_fn = make_loss_fn(graphdef, model, mesh, layout)
         grad = jax.jit(jax.grad(lambda p: loss_fn(p, tokens)[0]))
         grads[name] = grad(state.params)["blocks"]
     text = grad.lower(state.params).compile().as_text()
@@ -386,7 +386,7 @@ def test_owner_does_not_keep_every_groups_weights_for_the_backward(fsdp8):
     temps, group_bytes = {}, 0
     for name in ("fsdp", "owner"):
         layout, _, graphdef, state = build(fsdp8, name, model)
-        loss_fn = make_loss_fn(graphdef, model, fsdp8, layout.rules)
+        loss_fn = make_loss_fn(graphdef, model, fsdp8, layout)
         tokens = jax.device_put(batches()[0], jax.NamedSharding(fsdp8, jax.P(("data", "fsdp"))))
         grad = jax.jit(jax.grad(lambda p: loss_fn(p, tokens)[0]))
         temps[name] = grad.lower(state.params).compile().memory_analysis().temp_size_in_bytes

@@ -329,7 +329,7 @@ def test_owner_layout_runs_moe_like_one_device(mesh_config):
 
     def run(mesh, layout_name):
         layout, optimizer, graphdef, state = helpers.build(mesh, layout_name, cfg, train)
-        loss_fn = make_loss_fn(graphdef, cfg, mesh, layout.rules)
+        loss_fn = make_loss_fn(graphdef, cfg, mesh, layout)
         batch = jax.device_put(tokens, NamedSharding(mesh, jax.P(("data", "fsdp", "expert"))))
         grad = jax.jit(jax.value_and_grad(loss_fn, has_aux=True))
         return optimizer, state, grad(state.params, batch)
@@ -365,7 +365,7 @@ def _moe_gradients(mesh, layout_name, keep_gathered=False):
                                                model.vocab_size),
                             NamedSharding(mesh, jax.P(("data", "fsdp", "expert"))))
     layout, _, graphdef, state = helpers.build(mesh, layout_name, model, TrainConfig(steps=1))
-    loss_fn = make_loss_fn(graphdef, model, mesh, layout.rules)
+    loss_fn = make_loss_fn(graphdef, model, mesh, layout)
     grad = jax.jit(jax.grad(lambda p: loss_fn(p, tokens)[0]))
     return hlo_collectives(grad, state.params), grad(state.params), state.params
 

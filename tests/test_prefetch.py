@@ -27,7 +27,7 @@ def loss_and_grads(mesh, layout_name, model, aux=False):
     """(jitted params -> (loss, grads), params); with ``aux``, ((loss, aux), grads)."""
     layout, _, graphdef, state = helpers.build(mesh, layout_name, model, TRAIN)
     cfg = dataclasses.replace(model, layer_group=layout.layer_group)
-    loss_fn = make_loss_fn(graphdef, cfg, mesh, layout.rules)
+    loss_fn = make_loss_fn(graphdef, cfg, mesh, layout)
     loss = (lambda p: loss_fn(p, TOKENS)) if aux else (lambda p: loss_fn(p, TOKENS)[0])
     return jax.jit(jax.value_and_grad(loss, has_aux=aux)), state.params
 

@@ -122,7 +122,7 @@ def test_a_clipped_step_brings_every_clipped_head_to_tau_and_leaves_the_rest():
     assert int(np.sum(before > tau)) == 1 and before[0] > tau
 
     frozen = dataclasses.replace(optimizer, tx=optax.set_to_zero())
-    loss_fn = make_loss_fn(graphdef, ONE_LAYER, mesh, layout.rules)
+    loss_fn = make_loss_fn(graphdef, ONE_LAYER, mesh, layout)
     step = make_train_step(loss_fn, frozen, 1, mesh, layout.rules, qk_clipper(ONE_LAYER, tau))
     old = jax.tree.map(np.asarray, state.params)
     new, metrics = step(state, tokens())
@@ -154,7 +154,7 @@ def test_the_clip_adds_no_collective_under_owner_and_tensor():
     devices once, as [L, N/tensor]."""
     mesh = make_mesh(MeshConfig(data=2, fsdp=2, tensor=2))
     layout, optimizer, graphdef, state = helpers.build(mesh, "owner", CFG, TRAIN)
-    loss_fn = make_loss_fn(graphdef, CFG, mesh, layout.rules)
+    loss_fn = make_loss_fn(graphdef, CFG, mesh, layout)
     plain, clipped = [
         hlo_collectives(make_train_step(loss_fn, optimizer, 1, mesh, layout.rules, clip),
                         state, tokens())

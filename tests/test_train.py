@@ -30,7 +30,7 @@ def build(optim: str):
     cfg = TrainConfig(optim=optim, lr=1e-2, steps=10, schedule=ScheduleConfig(warmup_steps=0))
     optimizer = make_optimizer(cfg, abstract, mesh)
     graphdef, state = create_train_state(make_model, optimizer.tx, optimizer.plan)
-    loss_fn = make_loss_fn(graphdef, MODEL, mesh, DEFAULT_RULES)
+    loss_fn = make_loss_fn(graphdef, MODEL, mesh, optimizer.plan.layout)
     return mesh, optimizer, state, loss_fn
 
 

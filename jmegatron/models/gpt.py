@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import itertools
 from typing import NamedTuple
 
@@ -14,10 +13,8 @@ from jmegatron.models.config import GPTConfig
 from jmegatron.models.layers import Block, embed_lookup, param, rms_norm
 from jmegatron.models.moe import STATS, MoEBlock
 from jmegatron.sharding import rules as ax
-from jmegatron.sharding.prefetch import run_prefetched
-from jmegatron.sharding.rules import (active_mesh_and_rules, constrain, logical_axes_of,
-                                     only_batch_axes_live, run_constrained, run_gathered)
-from jmegatron.sharding.scatter import run_stack
+from jmegatron.sharding.rules import constrain, logical_axes_of
+from jmegatron.sharding.runners import Stack, active_runner, default_runner
 
 _REMAT = {
     "full": jax.checkpoint_policies.nothing_saveable,
@@ -114,66 +111,23 @@ class GPT(nnx.Module):
 
     def _run_stack(self, stack: nnx.Module, moe: bool, x: jax.Array, positions: jax.Array,
                    start: int, n: int):
-        """Layers start..start+n of one stack: (x, their stats stacked [n, ...])."""
+        """Layers start..start+n of one stack, run by the layout's runner (or this
+        model's default one): (x, their stats stacked [n, ...])."""
+        cfg = self.cfg
         graphdef, state = nnx.split(stack)
 
         def one_layer(x, layer_state):
             return nnx.merge(graphdef, layer_state)(x, positions)
 
-        if self.cfg.remat != "none":
-            one_layer = jax.checkpoint(one_layer, policy=_REMAT[self.cfg.remat])
-        group = self.cfg.layer_group
-        treedef, leaves = jax.tree.structure(state), jax.tree.leaves(state)
-        if group == 1:
-            if n < leaves[0].shape[0]:
-                state = jax.tree.map(lambda a: a[start:start + n], state)
-            elif not moe:   # a whole dense stack: gradients to the layerwise owners,
-                # summed in the dtype each weight computes in (norm scales: fp32)
-                dtypes = [jnp.float32 if ax.NORM in logical_axes_of(v) else self.cfg.dtype
-                          for v in jax.tree.leaves(state, is_leaf=_is_variable)]
-                return run_stack(lambda x, whole: jax.lax.scan(one_layer, x,
-                                                               treedef.unflatten(whole)),
-                                 x, leaves, dtypes)
-            return jax.lax.scan(one_layer, x, state)
-        # [G, g, ...] (a whole stack: the config keeps each kind's layers in one
-        # run): each group of g whole layers (each kept on its own rank under the
-        # owner layout) is gathered, run, and its gradients sent back to the owners.
-        # The last group may end in padding slots, which it skips.
-        axes = [logical_axes_of(v)[1:] for v in jax.tree.leaves(state, is_leaf=_is_variable)]
-        full, last = divmod(n, group)
-        sizes = [group] * full + ([last] if last else [])
-
-        def run(x, whole, size, unroll=1):
-            return jax.lax.scan(one_layer, x, treedef.unflatten([w[:size] for w in whole]),
-                                unroll=unroll)
-
-        # In a shard_map manual over the batch axes only where no other axis is live
-        # (there MoE layers also run on their local blocks); by sharding constraints
-        # otherwise (rules.only_batch_axes_live).
-        active = active_mesh_and_rules()
-        manual = active is None or only_batch_axes_live(active[0].shape, active[1])
-        if not moe and self.cfg.prefetch:   # group i+1's gather issued before group i
-            if not manual:
-                raise ValueError("prefetch runs the groups manual over the batch axes: "
-                                 "with tensor parallelism (tensor > 1) leave it off")
-            # Unrolled: XLA copies a carried group into a nested loop (prefetch.py).
-            return run_prefetched(functools.partial(run, unroll=True), x, leaves, axes,
-                                  ax.LAYERS, sizes)
-        keep = self.cfg.keep_gathered
-        runner = (functools.partial(run_gathered, summed=STATS if moe else (), keep=keep)
-                  if manual else functools.partial(run_constrained, keep=keep))
-
-        def run_group(x, group, size=group):
-            return runner(lambda x, whole: run(x, whole, size), x, group, axes, ax.LAYERS)
-
-        stats = []
-        if full:
-            x, full_stats = jax.lax.scan(run_group, x, [leaf[:full] for leaf in leaves])
-            stats.append(jax.tree.map(lambda s: s.reshape(-1, *s.shape[2:]), full_stats))
-        if last:
-            x, last_stats = run_group(x, [leaf[full] for leaf in leaves], last)
-            stats.append(last_stats)
-        return x, jax.tree.map(lambda *s: jnp.concatenate(s), *stats)
+        if cfg.remat != "none":
+            one_layer = jax.checkpoint(one_layer, policy=_REMAT[cfg.remat])
+        # Gradients are summed in the dtype each weight computes in (norm scales: fp32).
+        dtypes = tuple(jnp.float32 if ax.NORM in logical_axes_of(v) else cfg.dtype
+                       for v in jax.tree.leaves(state, is_leaf=_is_variable))
+        runner = active_runner() or default_runner(cfg.layer_group, cfg.prefetch,
+                                                   cfg.keep_gathered)
+        return runner(Stack(one_layer, state, start, n, STATS if moe else (), dtypes,
+                            self_sharded=moe), x)
 
 
 def _is_variable(v) -> bool:

@@ -47,7 +47,7 @@ from jmegatron.models.gpt import GPT, real_layers
 from jmegatron.models.safetensors_file import (INDEX, HFError, Tensors, model_file,  # noqa: F401
                                                read_json, tensor_names)
 from jmegatron.models.sharded import state_shardings
-from jmegatron.sharding.rules import DEFAULT_RULES, Rules
+from jmegatron.sharding.rules import DEFAULT_RULES, VOCAB, Rules, split_size
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
                  "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
@@ -248,7 +248,8 @@ def load(path: str | Path, mesh: jax.sharding.Mesh | None = None, rules: Rules =
     """
     folder = Path(path)
     if cfg is None:
-        cfg = config_from_hf(folder).pad_vocab(mesh.shape.get("tensor", 1) if mesh else 1)
+        cfg = config_from_hf(folder).pad_vocab(split_size(mesh.shape, rules, VOCAB)
+                                               if mesh else 1)
     want = dataclasses.replace(config_from_hf(folder, base=cfg),
                                padded_vocab_size=cfg.padded_vocab_size)
     for field in dataclasses.fields(cfg):

@@ -39,9 +39,9 @@ from typing import ClassVar, Mapping
 
 from jax.sharding import PartitionSpec as P
 
-from jmegatron.sharding.mesh import BATCH_AXES
-from jmegatron.sharding.rules import (DEFAULT_RULES, LAYER_GROUPS, LAYER_OWNERS, LAYERS, Rules,
-                                     logical_to_spec, spec_axes, with_rules)
+from jmegatron.sharding.rules import (BATCH, DEFAULT_RULES, EMBED, LAYER_GROUPS, LAYERS, Rules,
+                                     logical_to_spec, mesh_axes_of, spec_axes, with_rules)
+from jmegatron.sharding.runners import GroupedRunner, ScanRunner, ScatterRunner, StackRunner
 
 LAYOUTS = ("replicated", "layerwise", "fsdp", "owner")
 ASSIGNMENTS = ("round_robin", "balanced")
@@ -68,6 +68,12 @@ class Layout:
     def layer_group(self) -> int:
         """Block weights stacked [G, g, ...] with g this; 1: [L, ...]."""
         return 1
+
+    def runner(self, prefetch: bool = False, keep_gathered: bool = False) -> StackRunner:
+        """How the model's layer stacks run under this layout (``sharding.runners``);
+        ``prefetch`` and ``keep_gathered`` are the owner layout's options
+        (``GPTConfig``)."""
+        return ScanRunner()
 
     def param_spec(self, logical: tuple) -> P:
         return logical_to_spec(logical, self.rules)
@@ -96,6 +102,10 @@ class FSDP(Layout):
 
 class Layerwise(Layout):
     name = "layerwise"
+
+    def runner(self, prefetch: bool = False, keep_gathered: bool = False) -> StackRunner:
+        # The layers send their gradients to the owners (sharding.scatter).
+        return ScatterRunner(owners=self.owner_axes)
 
     def state_spec(self, logical: tuple, batch_dims: tuple[int, ...]) -> P:
         """The param's, except that the leading batch dim is split over the owner axes
@@ -126,6 +136,10 @@ class Owner(Layout):
     def layer_group(self) -> int:
         return self.owners
 
+    def runner(self, prefetch: bool = False, keep_gathered: bool = False) -> StackRunner:
+        return GroupedRunner(self.layer_group, prefetch, keep_gathered) \
+            if self.layer_group > 1 else ScanRunner()
+
     def check_matrix(self, path: str, logical: tuple) -> None:
         if self.owners > 1 and logical[0] != LAYER_GROUPS:
             raise ValueError(f"the owner layout needs block weights stacked [L/f, f, ...], but "
@@ -147,15 +161,13 @@ def make_layout(name: str, mesh_shape: Mapping[str, int], rules: Rules = DEFAULT
     replicated_params = with_rules(rules, embed=None)
     if name == "replicated":
         return Replicated(replicated_params)
-    if name == "layerwise":
-        owners = live(BATCH_AXES)
-        # The model's layers send their gradients to the owners (sharding.scatter).
-        return Layerwise(with_rules(replicated_params, **{LAYER_OWNERS: owners or None}), owners,
-                         sizes(owners), assignment)
+    if name == "layerwise":   # the ranks that hold different data own the matrices
+        owners = live(mesh_axes_of(BATCH, rules))
+        return Layerwise(replicated_params, owners, sizes(owners), assignment)
     if name == "fsdp":
         return FSDP(rules)
-    owners = live(("fsdp",))
-    # The stack axis takes fsdp; block weights' embed axis then stays whole
-    # (a mesh axis splits an array once), while the embedding and head keep
-    # their element-wise fsdp split.
-    return Owner(with_rules(rules, **{LAYERS: "fsdp"}), owners, sizes(owners))
+    # The ZeRO-3 axes own whole matrices. The stack axis takes them; block weights'
+    # embed axis then stays whole (a mesh axis splits an array once), while the
+    # embedding and head keep their element-wise split.
+    zero3 = mesh_axes_of(EMBED, rules)
+    return Owner(with_rules(rules, **{LAYERS: zero3 or None}), live(zero3), sizes(live(zero3)))

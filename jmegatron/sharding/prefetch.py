@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 
 from jmegatron.sharding.rules import (active_mesh_and_rules, activation_sharding, manual_split,
-                                     varying)
+                                     mesh_axes_of, varying)
 
 # run(x, whole, size) -> (x, stats): the first ``size`` layers of one group, ``whole``
 # its gathered weights (each leaf [g, ...]); stats per layer and example [size, B, ...],
@@ -72,7 +72,8 @@ def run_prefetched(run: RunGroup, x: jax.Array, leaves: Sequence[jax.Array],
     if active is None:
         return _groups(lambda i: [leaf[i] for leaf in leaves], run, x, sizes)
     mesh, rules = active
-    split = manual_split(mesh, rules, name, [(None, *axes) for axes in leaf_axes])
+    split = manual_split(mesh, rules, mesh_axes_of(name, rules),
+                         [(None, *axes) for axes in leaf_axes])
 
     def inner_run(x, whole, size):
         with activation_sharding(jax.sharding.get_abstract_mesh(), split.inner_rules):

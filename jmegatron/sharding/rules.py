@@ -23,9 +23,6 @@ from jmegatron.sharding.mesh import BATCH_AXES
 LAYERS, EMBED, MLP, HEADS, KV_HEADS, HEAD_DIM, VOCAB, EXPERTS = (
     "layers", "embed", "mlp", "heads", "kv_heads", "head_dim", "vocab", "experts")
 LAYER_GROUPS = "layer_groups"   # outer axis of block weights stacked [L/g, g, ...]
-# The ranks that own whole layers' optimizer state while the params stay whole on
-# every rank (layerwise): a stack's gradients are reduce-scattered onto them.
-LAYER_OWNERS = "layer_owners"
 QKV = "qkv"     # the query-group / key / value slot of a fused QKV weight
 GLU = "glu"     # the gate / up slot of a fused SwiGLU input weight
 NORM = "norm"   # scale vectors of norms (tiny; replicated)
@@ -46,7 +43,6 @@ Rules = tuple[tuple[str, MeshAxes], ...]
 DEFAULT_RULES: Rules = (
     (LAYER_GROUPS, None),
     (LAYERS, None),
-    (LAYER_OWNERS, None),
     (EMBED, "fsdp"),
     (MLP, "tensor"),
     (HEADS, "tensor"),
@@ -122,6 +118,11 @@ def logical_axes_of(node) -> tuple[str | None, ...] | None:
     None for plain arrays and unannotated variables."""
     get_metadata = getattr(node, "get_metadata", None)
     return None if get_metadata is None else get_metadata().get("out_sharding")
+
+
+def split_size(mesh_shape: Mapping[str, int], rules: Rules, logical: str) -> int:
+    """How many parts the mesh axes the rules map ``logical`` to split it into."""
+    return math.prod(mesh_shape.get(a, 1) for a in mesh_axes_of(logical, rules))
 
 
 def check_vocab_apart_from_batch(mesh_shape: Mapping[str, int], rules: Rules) -> None:
@@ -218,7 +219,7 @@ def run_gathered(fn: Callable, x: jax.Array, leaves: Sequence[jax.Array],
     if active is None:
         return fn(x, leaves)
     mesh, rules = active
-    split = manual_split(mesh, rules, name, leaf_axes)
+    split = manual_split(mesh, rules, mesh_axes_of(name, rules), leaf_axes)
     manual, owners, summed = split.manual, split.owners, set(summed)
 
     # Unless ``keep``, the backward gathers the weights again instead of keeping
@@ -277,15 +278,15 @@ def only_batch_axes_live(mesh_shape: Mapping[str, int], rules: Rules) -> bool:
     return all(size == 1 or axis in batch for axis, size in mesh_shape.items())
 
 
-def manual_split(mesh, rules: Rules, name: str,
+def manual_split(mesh, rules: Rules, owners: Sequence[str],
                  leaf_axes: Sequence[Sequence[str | None]]) -> ManualSplit:
-    """The ``ManualSplit`` of leaves with ``leaf_axes``; raises ValueError if
-    ``name`` is split over an axis that is not a batch axis."""
+    """The ``ManualSplit`` of leaves with ``leaf_axes`` whose layers are split over
+    the mesh axes ``owners``; raises ValueError if one is not a batch axis."""
     live = lambda axes: tuple(a for a in axes if mesh.shape[a] > 1)
     manual = live(mesh_axes_of(BATCH, rules))
-    owners = live(mesh_axes_of(name, rules))
+    owners = live(owners)
     if not set(owners) <= set(manual):
-        raise ValueError(f"{name} is split over {owners}, which are not all batch axes {manual}")
+        raise ValueError(f"layers split over {owners}, which are not all batch axes {manual}")
     manual_only = lambda spec: P(*(tuple(a for a in spec_axes(e) if a in manual) or None
                                    for e in spec))
     return ManualSplit(manual, owners, manual_only(logical_to_spec((BATCH, SEQ, ACT_EMBED), rules)),

@@ -25,8 +25,8 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from jmegatron.sharding.mesh import axis_size
-from jmegatron.sharding.rules import (LAYER_OWNERS, active_mesh_and_rules, activation_sharding,
-                                     manual_split, only_batch_axes_live)
+from jmegatron.sharding.rules import (active_mesh_and_rules, activation_sharding, manual_split,
+                                     only_batch_axes_live)
 
 # run(x, leaves) -> (x, stats): the layers of one stack on its weights (each leaf
 # [L, ...]); stats per layer and example [L, B, ...], which carry no gradient.
@@ -34,10 +34,9 @@ RunStack = Callable[[jax.Array, list], tuple[jax.Array, dict]]
 
 
 def run_stack(run: RunStack, x: jax.Array, leaves: Sequence[jax.Array],
-              reduce_dtypes: Sequence[jnp.dtype]):
+              reduce_dtypes: Sequence[jnp.dtype], owners: Sequence[str]):
     """``run(x, leaves)``, each leaf's gradient reduce-scattered along dim 0 onto the
-    mesh axes the rules map ``layer_owners`` to (the layerwise layout's owners), in
-    its ``reduce_dtypes`` entry.
+    mesh axes ``owners`` (the layerwise layout's), in its ``reduce_dtypes`` entry.
 
     Runs in ``jax.shard_map``, manual over every mesh axis. Just ``run(x, leaves)``,
     and XLA's all-reduce, without an active mesh, without owners, for a stack the
@@ -52,12 +51,14 @@ def run_stack(run: RunStack, x: jax.Array, leaves: Sequence[jax.Array],
       reduce_dtypes: per leaf, the dtype its gradient is summed in: the one the
         layers compute with (bf16 matmul weights: half the bytes of fp32), as XLA
         sums them at the matmuls otherwise.
+      owners: the batch axes whose ranks own the stack's matrices, each rank a
+        contiguous block of its layers.
     """
     active = active_mesh_and_rules()
-    if active is None or LAYER_OWNERS not in dict(active[1]):
+    if active is None:
         return run(x, list(leaves))
     mesh, rules = active
-    split = manual_split(mesh, rules, LAYER_OWNERS, [() for _ in leaves])
+    split = manual_split(mesh, rules, tuple(owners), [() for _ in leaves])
     owners = split.owners
     if not owners or leaves[0].shape[0] % axis_size(mesh, owners):
         return run(x, list(leaves))

@@ -102,7 +102,8 @@ def plan_run(cfg: TrainConfig) -> Plan:
         raise ValueError(f"--top-k {cfg.top_k}: must be at most the vocabulary "
                          f"(model.vocab_size={cfg.model.vocab_size})")
     layout = make_layout(cfg.layout, mesh.sizes(), assignment=cfg.assignment)
-    model = dataclasses.replace(cfg.model.pad_vocab(mesh.tensor), layer_group=layout.layer_group)
+    vocab_parts = ax.split_size(mesh.sizes(), layout.rules, ax.VOCAB)
+    model = dataclasses.replace(cfg.model.pad_vocab(vocab_parts), layer_group=layout.layer_group)
     validate_sharding(model.logical_dims(), mesh.sizes(), layout.rules, cfg.microbatch_size)
     if model.prefetch and not ax.only_batch_axes_live(mesh.sizes(), layout.rules):
         raise ValueError(f"--model.prefetch needs --mesh.tensor 1 (got {mesh.tensor}): it "
@@ -161,7 +162,7 @@ class Trainer:
         self.checkpointer = Checkpointer(self.run_dir / "checkpoints", cfg.checkpoint)
         self.resumed: dict = {}   # where this run continues from, and what it changed
         self.start_step = self._resume() if cfg.resume or cfg.resume_from else 0
-        loss_fn = make_loss_fn(self.graphdef, self.model_cfg, self.mesh, self.rules, cfg.z_loss)
+        loss_fn = make_loss_fn(self.graphdef, self.model_cfg, self.mesh, self.layout, cfg.z_loss)
         clip = qk_clipper(self.model_cfg, cfg.qk_clip, cfg.qk_clip_alpha) if cfg.qk_clip else None
         self.train_step = make_train_step(loss_fn, self.optimizer, cfg.microbatches,
                                           self.mesh, self.rules, clip)

@@ -15,7 +15,9 @@ from jmegatron.models.loss import cross_entropy
 from jmegatron.models.moe import balance_expert_bias, moe_losses
 from jmegatron.models.qk_clip import Clip
 from jmegatron.sharding import rules as ax
+from jmegatron.sharding.layouts import Layout
 from jmegatron.sharding.rules import Rules, activation_sharding, logical_to_spec
+from jmegatron.sharding.runners import running
 from jmegatron.train.optimizer import Optimizer, group_update_rms
 from jmegatron.train.state import TrainState, split_trained
 
@@ -26,12 +28,16 @@ PEAKS = ("max_attention_logit",)
 
 
 def make_loss_fn(graphdef: nnx.GraphDef, model_cfg: GPTConfig, mesh: jax.sharding.Mesh,
-                 rules: Rules, z_loss: float = 0.0) -> LossFn:
-    """Next-token loss of the model; activations pinned by ``rules``, vocab-parallel loss;
+                 layout: Layout, z_loss: float = 0.0) -> LossFn:
+    """Next-token loss of the model; activations pinned by the ``layout``'s rules, its
+    layer stacks run by the layout's runner (``Layout.runner``), vocab-parallel loss;
     plus the weighted MoE losses, with the MoE metrics (``moe_losses``), for MoE models;
     and the largest attention logit per layer and head."""
+    rules = layout.rules
+    runner = layout.runner(model_cfg.prefetch, model_cfg.keep_gathered)
+
     def loss_fn(params, tokens):
-        with activation_sharding(mesh, rules):
+        with activation_sharding(mesh, rules), running(runner):
             logits, model_aux = nnx.merge(graphdef, params)(tokens[:, :-1], return_aux=True)
         loss, aux = cross_entropy(logits, tokens[:, 1:], model_cfg.vocab_size, z_loss=z_loss,
                                   mesh=mesh, rules=rules)
