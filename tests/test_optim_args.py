@@ -10,16 +10,16 @@ import optax
 import pytest
 from flax import nnx
 
-from jmegatron.optim import (AdamW, adaptive_muon, descend, make_plan, mop, muon, polar_factor,
-                             rekls, scale_by_adaptive_muon, scale_by_mop, scale_by_muon,
-                             scale_by_rekls, scale_by_soap, soap)
+from jmegatron.optim import (AdamW, adaptive_muon, descend, dion2, make_plan, mop, muon,
+                             polar_factor, rekls, scale_by_adaptive_muon, scale_by_dion2,
+                             scale_by_mop, scale_by_muon, scale_by_rekls, scale_by_soap, soap)
 from jmegatron.sharding import MeshConfig, make_mesh
 
 NAN, INF = float("nan"), float("inf")
 OPTIMIZERS = {"muon": muon, "mop": mop, "adaptive_muon": adaptive_muon, "soap": soap,
-              "rekls": rekls}
+              "rekls": rekls, "dion2": dion2}
 DIRECTIONS = {"muon": scale_by_muon, "mop": scale_by_mop, "adaptive_muon": scale_by_adaptive_muon,
-              "soap": scale_by_soap, "rekls": scale_by_rekls}
+              "soap": scale_by_soap, "rekls": scale_by_rekls, "dion2": scale_by_dion2}
 BAD_LEARNING_RATES = ["abc", NAN, INF, -INF, 0, 0.0, -1e-3, None, True, [1e-3], jnp.ones(2)]
 
 # (argument, bad value, what the message shows of it) of each direction's own options;
@@ -39,6 +39,8 @@ BAD_OPTIONS = {
              ("max_precond_dim", -1, "-1")],
     "rekls": [("b1", 1, "1"), ("b2", 3.0, "3.0"), ("shampoo_beta", 1.0, "1.0"),
               ("eps", 0.0, "0.0"), ("max_precond_dim", 2.0, "2.0")],
+    "dion2": [("fraction", 0.0, "0.0"), ("fraction", 1.5, "1.5"), ("ef_decay", 1.0, "1.0"),
+              ("coefficients", "fast", "fast"), ("matmul_dtype", "int8", "int8")],
 }
 OPTION_CASES = [(name, *case) for name, cases in BAD_OPTIONS.items() for case in cases]
 

@@ -1,7 +1,9 @@
-"""Matrix optimizers (Muon, MOP, adaptive Muon, SOAP, REKLS), Newton-Schulz and parameter routing, as optax transformations."""
+"""Matrix optimizers (Muon, MOP, adaptive Muon, Dion2, SOAP, REKLS), Newton-Schulz and parameter routing, as optax transformations."""
 
 from jmegatron.optim.adaptive_muon import adaptive_muon, scale_by_adaptive_muon
 from jmegatron.optim.coefficients import COEFFICIENT_SETS, CoefficientSet, coefficient_set
+from jmegatron.optim.dion2 import (DION2_COEFFICIENTS, Dion2State, dion2, dion2_flops,
+                                   scale_by_dion2)
 from jmegatron.optim.muon import (MOONLIGHT_RMS, MuonState, muon, muon_flops, scale_by_muon,
                                   update_scale)
 from jmegatron.optim.matrix import (WEIGHT_DECAY_METHODS, AdamW, descend,
@@ -24,6 +26,7 @@ __all__ = [
     "MuonState", "scale_by_muon", "muon", "muon_flops", "update_scale", "MOONLIGHT_RMS",
     "scale_by_mop", "mop", "mop_flops", "polar_factor",
     "scale_by_adaptive_muon", "adaptive_muon",
+    "Dion2State", "scale_by_dion2", "dion2", "dion2_flops", "DION2_COEFFICIENTS",
     "SoapState", "Factors", "scale_by_soap", "soap", "soap_flops",
     "scale_by_rekls", "rekls", "rekls_block", "rekls_flops",
     "Routing", "Route", "MatrixSpec", "Piece", "route", "labels", "leaf_routes", "describe",

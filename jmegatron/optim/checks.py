@@ -75,6 +75,11 @@ def fraction(name: str, value: Any, optional: bool = False) -> None:
     _number(name, value, "a number in [0, 1)", lambda x: 0 <= x < 1, optional)
 
 
+def share(name: str, value: Any) -> None:
+    """A part of a whole: a number in (0, 1]."""
+    _number(name, value, "a number in (0, 1]", lambda x: 0 < x <= 1)
+
+
 def positive(name: str, value: Any, optional: bool = False) -> None:
     """A finite number > 0 (an eps that a zero would divide by, a scale)."""
     _number(name, value, "a finite number > 0", lambda x: x > 0, optional)

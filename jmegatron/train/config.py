@@ -214,6 +214,29 @@ class ReklsConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class Dion2Config:
+    """Dion2's options (--optim dion2): a summed momentum of which only a fraction of the
+    rows or columns (the largest by L1 norm) is orthogonalized, with error feedback."""
+
+    fraction: float = 0.25
+    """The fraction of each matrix's slices (along its shorter side) orthogonalized."""
+    ef_decay: float = 0.95
+    """The decay of the selected slices of the momentum after each step."""
+    coefficients: str = "dion2"
+    """dion2: the reference's Polar Express; or a Newton-Schulz set (see --muon.ns-coefficients)."""
+    ns_dtype: Literal["float32", "bfloat16"] = "bfloat16"
+    """Matmul operands of the orthogonalization (the reference's bf16)."""
+    scale: Literal["spectral", "shape", "unit_rms", "none"] = "spectral"
+    """Update scale; spectral (0.2 sqrt(max side), as --muon.scale) lets one --lr fit the
+    AdamW leaves too; the reference's default is unit_rms (sqrt(fan_out / fan_in))."""
+
+    def __post_init__(self):
+        require("dion2.fraction", self.fraction, positive(self.fraction) and self.fraction <= 1,
+                "in (0, 1]")
+        require("dion2.ef-decay", self.ef_decay, beta(self.ef_decay), "in [0, 1)")
+
+
+@dataclasses.dataclass(frozen=True)
 class CheckpointConfig:
     """When and how many checkpoints are written."""
 
@@ -283,7 +306,7 @@ class TrainConfig:
     Newton-Schulz load where the ranks do not divide a stack)."""
     data: DataConfig = DataConfig()
     optim: OptimizerName = "muon"
-    """A matrix optimizer (muon, soap, mop, adaptive_muon, rekls) for hidden matrices and
+    """A matrix optimizer (muon, soap, mop, adaptive_muon, rekls, dion2) for hidden matrices and
     AdamW for the rest; adamw: AdamW for all."""
     lr: float = 3e-3
     """Peak learning rate (Muon's updates are scaled to AdamW's RMS, so one rate fits both)."""
@@ -301,6 +324,7 @@ class TrainConfig:
     mop: MopConfig = MopConfig()
     adaptive_muon: AdaptiveMuonConfig = AdaptiveMuonConfig()
     rekls: ReklsConfig = ReklsConfig()
+    dion2: Dion2Config = Dion2Config()
     checkpoint: CheckpointConfig = CheckpointConfig()
     dist: DistConfig = DistConfig()
     stop_after: int | None = None

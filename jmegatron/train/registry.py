@@ -20,8 +20,8 @@ from typing import Callable
 import jax.numpy as jnp
 import optax
 
-from jmegatron.optim import (Routing, adaptive_muon, mop, mop_flops, muon, muon_flops, rekls,
-                             rekls_flops, soap, soap_flops)
+from jmegatron.optim import (Routing, adaptive_muon, dion2, dion2_flops, mop, mop_flops, muon,
+                             muon_flops, rekls, rekls_flops, soap, soap_flops)
 from jmegatron.optim.newton_schulz import syrk_backend
 
 # (cfg, schedule, common) -> the transformation: ``common`` holds what every matrix
@@ -87,6 +87,12 @@ def _rekls(cfg, schedule, common) -> optax.GradientTransformation:
                  max_precond_dim=r.max_precond_dim, **common)
 
 
+def _dion2(cfg, schedule, common) -> optax.GradientTransformation:
+    d = cfg.dion2
+    return dion2(schedule, fraction=d.fraction, ef_decay=d.ef_decay, coefficients=d.coefficients,
+                 matmul_dtype=jnp.dtype(d.ns_dtype), scale=d.scale, **common)
+
+
 OPTIMIZERS: dict[str, Entry] = {
     "muon": Entry(("muon",), _muon, _muon_flops, newton_schulz=True),
     "soap": Entry(("soap",), _soap, lambda cfg, params, routing: soap_flops(
@@ -96,6 +102,8 @@ OPTIMIZERS: dict[str, Entry] = {
                            newton_schulz=True),
     "rekls": Entry(("rekls",), _rekls, lambda cfg, params, routing: rekls_flops(
         params, routing, cfg.rekls.max_precond_dim)),
+    "dion2": Entry(("dion2",), _dion2, lambda cfg, params, routing: dion2_flops(
+        params, routing, cfg.dion2.fraction, cfg.dion2.coefficients)),
 }
 # Every --optim: the matrix optimizers, and AdamW on every leaf.
 OPTIMIZER_NAMES = (*OPTIMIZERS, "adamw")

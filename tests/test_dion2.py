@@ -1,0 +1,345 @@
+"""Dion2 against an independent float64 NumPy implementation of the reference's
+equations (microsoft/dion, dion/dion2.py and dion/polar_express.py), written on
+the reference's own [out, in] weights: jmegatron's [fan_in, fan_out] leaves are
+their transposes, so the orientation of the selection is checked too.
+
+The reference model below is deliberately sensitive: mutated copies of it (the
+error feedback dropped, the other axis selected, another fraction) must each
+miss the optimizer's updates on every shape by orders of magnitude more than
+the tolerance, so a comparison that passes could not have passed for them.
+"""
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from helpers import grads_of, optimizer_step, three_steps
+from jmegatron.models import GPT, GPTConfig
+from jmegatron.optim import (MATRIX, AdamW, MatrixSpec, Route, Routing, coefficient_set, dion2,
+                             make_plan, scale_by_dion2, trainable_params)
+from jmegatron.sharding import MeshConfig, hlo_collectives, make_mesh
+from jmegatron.sharding.layouts import make_layout
+from jmegatron.train import create_train_state
+
+# jmegatron leaves [fan_in, fan_out] (a 3-D leaf: a stack of them); "fused" is cut
+# along fan_out into blocks of 8 and 4 columns, as a fused QKV/SwiGLU weight.
+SHAPES = {"square": (7, 7), "wide": (6, 10), "tall": (10, 6), "stack": (3, 6, 9),
+          "fused": (6, 12)}
+FUSED = MatrixSpec((0,), (1,), split_axis=1, split_sizes=(8, 4))
+ROUTING = Routing(custom=lambda path, shape, logical: Route(
+    MATRIX, "test", FUSED if "fused" in path else
+    MatrixSpec((len(shape) - 2,), (len(shape) - 1,))))
+STEPS = 4
+FRACTION, EF_DECAY = 0.25, 0.9
+# fp32 against float64, relative to a leaf's largest entry. Polar Express's first
+# polynomial 8.16 s - 22.5 s^3 + 15.9 s^5 cancels terms up to ~20x its value, so its
+# five iterations in fp32 land ~1e-5 from float64 (measured on 120 random 2 x 6 to
+# 10 x 2 matrices alone: median 5e-6, max 1.7e-5); Muon's quintic set ~1e-6.
+TOL = {"polar_express": 5e-5, "quintic": 1e-5}
+
+# dion/polar_express.py's _POLAR_EXPRESS_COEFFS, written out again (not imported:
+# the test must not share a typo with the module).
+POLAR_EXPRESS = [
+    (8.156554524902461, -22.48329292557795, 15.878769915207462),
+    (4.042929935166739, -2.808917465908714, 0.5000178451051316),
+    (3.8916678022926607, -2.772484153217685, 0.5060648178503393),
+    (3.285753657755655, -2.3681294933425376, 0.46449024233003106),
+    (2.3465413258596377, -1.7097828382687081, 0.42323551169305323),
+]
+
+
+def polar_express64(x, eps=1e-8):
+    """The reference's polar_express in float64: X / (1.02 ||X||_F + eps), then
+    five iterations; a wide X through X X^T on the left, a tall one through X^T X
+    on the right."""
+    x = x / (np.linalg.norm(x) * 1.02 + eps)
+    for a, b, c in POLAR_EXPRESS:
+        if x.shape[0] > x.shape[1]:
+            A = x.T @ x
+            x = a * x + x @ (b * A + c * A @ A)
+        else:
+            A = x @ x.T
+            x = a * x + (b * A + c * A @ A) @ x
+    return x
+
+
+def quintic64(x):
+    """Muon's Newton-Schulz in float64: unit Frobenius norm, the quintic set."""
+    x = x / np.linalg.norm(x)
+    for a, b, c in coefficient_set("quintic").schedule(5):
+        if x.shape[0] > x.shape[1]:
+            A = x.T @ x
+            x = a * x + x @ (b * A + c * A @ A)
+        else:
+            A = x @ x.T
+            x = a * x + (b * A + c * A @ A) @ x
+    return x
+
+
+class Reference:
+    """One torch-oriented weight [out, in] under Dion2, in float64 (dion2.py's
+    single-device path): M += G; select the rows if out <= in else the columns;
+    the k = max(1, ceil(fraction * n)) slices of largest L1 norm are copied out,
+    decayed by ef_decay in M, orthogonalized and scattered into a zero update,
+    times sqrt(out / in) (adjust_lr "spectral_norm") or 0.2 sqrt(max) ("rms_norm").
+
+    ``mutant`` breaks one rule: "no_ef_decay" (selected slices not decayed),
+    "ef_reset" (selected slices zeroed), "ef_everywhere" (the whole M decayed,
+    plain momentum), "other_axis", "floor_k" (floor instead of ceil),
+    "double_fraction"."""
+
+    def __init__(self, out_in, fraction=FRACTION, ef_decay=EF_DECAY, ortho=polar_express64,
+                 lr_adjust="spectral_norm", mutant=None):
+        self.M = np.zeros(out_in)
+        self.fraction, self.ef, self.ortho, self.mutant = fraction, ef_decay, ortho, mutant
+        rows, cols = out_in
+        self.factor = (math.sqrt(rows / cols) if lr_adjust == "spectral_norm"
+                       else 0.2 * math.sqrt(max(rows, cols)))
+        self.gap = np.inf   # smallest relative L1 gap between the k-th and (k+1)-th slice
+
+    def step(self, G):
+        self.M = self.M + G
+        rows, cols = self.M.shape
+        by_rows = (rows <= cols) != (self.mutant == "other_axis")
+        view = self.M if by_rows else self.M.T            # a view: writes reach M
+        fraction = self.fraction * (2 if self.mutant == "double_fraction" else 1)
+        n = view.shape[0]
+        k = max(1, (math.floor if self.mutant == "floor_k" else math.ceil)(fraction * n))
+        norms = np.abs(view).sum(axis=1)
+        order = np.argsort(-norms)
+        if k < n:
+            self.gap = min(self.gap, (norms[order[k - 1]] - norms[order[k]]) / norms.max())
+        chosen = order[:k]
+        sub = view[chosen].copy()
+        if self.mutant == "ef_everywhere":
+            view *= self.ef
+        elif self.mutant != "no_ef_decay":
+            view[chosen] = 0.0 if self.mutant == "ef_reset" else self.ef * sub
+        update = np.zeros_like(view)
+        # The reference orthogonalizes the gathered submatrix as it lies in M:
+        # [k, cols] for rows, [rows, k] for columns.
+        update[chosen] = self.ortho(sub) if by_rows else self.ortho(sub.T).T
+        return (update if by_rows else update.T) * self.factor
+
+
+def blocks(name):
+    """The blocks of a leaf as (slice of the leaf's last axis, stack shape [..., fan_in,
+    fan_out])."""
+    if name == "fused":
+        return [(slice(0, 8), (6, 8)), (slice(8, 12), (6, 4))]
+    return [(slice(None), SHAPES[name])]
+
+
+def gradients(step):
+    rng = np.random.default_rng(step)
+    return {k: rng.standard_normal(s) * (1 + 0.5 * step) for k, s in SHAPES.items()}
+
+
+def references(**options):
+    """Per leaf, per block, one Reference per matrix of the stack (on [out, in])."""
+    return {name: [[Reference(shape[-2:][::-1], **options) for _ in range(math.prod(shape[:-2]))]
+                   for _, shape in blocks(name)] for name in SHAPES}
+
+
+def reference_updates(refs, grads):
+    """The references' updates of one step, as jmegatron leaves [.., fan_in, fan_out]."""
+    out = {}
+    for name, per_block in refs.items():
+        parts = []
+        for (cols, shape), mats in zip(blocks(name), per_block):
+            g = grads[name][..., cols].reshape(-1, *shape[-2:])
+            parts.append(np.stack([ref.step(m.T).T for ref, m in zip(mats, g)])
+                         .reshape(*shape[:-2], *shape[-2:]))
+        out[name] = np.concatenate(parts, axis=-1)
+    return out
+
+
+def run(tx, steps=STEPS):
+    """The transformation's updates of ``steps`` steps (jitted once), float64 leaves."""
+    params = {k: jnp.zeros(s, jnp.float32) for k, s in SHAPES.items()}
+    state, update = tx.init(params), jax.jit(tx.update)
+    out = []
+    for step in range(steps):
+        got, state = update(jax.tree.map(jnp.float32, gradients(step)), state, params)
+        out.append(jax.tree.map(lambda x: np.asarray(x, np.float64), got))
+    return out
+
+
+def worst(got_steps, refs):
+    """Per leaf, the largest error over the steps relative to the leaf's largest entry."""
+    errors = {name: 0.0 for name in SHAPES}
+    for step, got in enumerate(got_steps):
+        want = reference_updates(refs, gradients(step))
+        for name in SHAPES:
+            scale = np.abs(want[name]).max()
+            errors[name] = max(errors[name], np.abs(got[name] - want[name]).max() / scale)
+    return errors
+
+
+VARIANTS = {
+    # The reference's orthogonalization in fp32 matmuls (its default dtype bf16 below).
+    "reference_fp32": (dict(fraction=FRACTION, ef_decay=EF_DECAY, matmul_dtype="float32"), {}),
+    "half_rms_norm": (dict(fraction=0.5, ef_decay=0.5, scale="spectral", matmul_dtype="float32"),
+                      dict(fraction=0.5, ef_decay=0.5, lr_adjust="rms_norm")),
+    "muon_quintic": (dict(fraction=FRACTION, ef_decay=EF_DECAY, coefficients="quintic",
+                          matmul_dtype="float32"), dict(ortho=quintic64)),
+}
+
+
+@pytest.fixture(scope="module")
+def reference_fp32_run():
+    return run(scale_by_dion2(routing=ROUTING, **VARIANTS["reference_fp32"][0]))
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_equals_the_reference_in_float64(variant, reference_fp32_run):
+    """Four steps on a square, a wide, a tall, a stacked [3, 6, 9] and a fused leaf
+    (blocks of 8 and 4 columns), fp32 against float64 within ``TOL`` of each leaf's
+    largest entry (measured: 1.4e-5 for Polar Express, 1.4e-6 for quintic). The
+    selection is the same in both: no two L1 norms at the cut are within 1e-3 of
+    the largest (asserted; fp32 round-off is ~1e-7 of it)."""
+    options, ref_options = VARIANTS[variant]
+    got = reference_fp32_run if variant == "reference_fp32" else \
+        run(scale_by_dion2(routing=ROUTING, **options))
+    refs = references(**{"fraction": options["fraction"], "ef_decay": options["ef_decay"],
+                         **ref_options})
+    errors = worst(got, refs)
+    tol = TOL["quintic" if "quintic" in variant else "polar_express"]
+    assert max(errors.values()) < tol, errors
+    gaps = [r.gap for per_block in refs.values() for mats in per_block for r in mats]
+    assert min(gaps) > 1e-3, min(gaps)
+
+
+MUTANTS = ("no_ef_decay", "ef_reset", "ef_everywhere", "other_axis", "floor_k",
+           "double_fraction")
+
+
+@pytest.mark.parametrize("mutant", MUTANTS)
+def test_a_mutated_reference_misses_on_every_shape(mutant, reference_fp32_run):
+    """The comparison above tells the rules apart: with the error feedback dropped
+    (no decay, reset, or a plain momentum decayed everywhere), the other axis
+    selected, or another k (floor instead of ceil; twice the fraction), the
+    reference misses the optimizer by over 100x the tolerance on every leaf
+    (measured: at least 0.12 of the largest entry, 2400x)."""
+    errors = worst(reference_fp32_run, references(mutant=mutant))
+    assert min(errors.values()) > 100 * TOL["polar_express"], errors
+
+
+def test_default_bf16_selects_as_the_reference_and_stays_within_bf16_noise():
+    """Defaults (the reference's Polar Express with bf16 matmuls, ef_decay 0.95), three
+    steps: the sparsity pattern (which slices are updated) is exactly the reference's,
+    since momentum and norms are fp32. The values are only as close as bf16 Polar
+    Express is to itself: its first polynomial cancels terms ~20x its value, so
+    2^-9 operand round-off grows to ~0.1 of the update. Measured on 2 x 10 to 16 x 64
+    random matrices: this module's bf16 (fp32 accumulation and X) lands up to 0.26 of
+    the largest entry from float64, a bf16 simulation of the reference's torch
+    arithmetic (every operation rounded) up to 0.28, and the two up to 0.35 from each
+    other. So the bound is on the relative Frobenius error (measured here: <= 0.16)."""
+    got = run(scale_by_dion2(routing=ROUTING), steps=3)
+    refs = references(ef_decay=0.95)
+    for step, leaves in enumerate(got):
+        want = reference_updates(refs, gradients(step))
+        for name in SHAPES:
+            np.testing.assert_array_equal(leaves[name] == 0, want[name] == 0, err_msg=name)
+            error = np.linalg.norm(leaves[name] - want[name]) / np.linalg.norm(want[name])
+            assert error < 0.3, (name, step, error)
+
+
+def test_dion2_steps_with_weight_decay_and_adamw_elsewhere():
+    """dion2(): W <- W - lr (update + wd W) on every entry (the reference decays all
+    of W by lr * wd, then adds -lr * scale * O to the selected slices); a vector leaf
+    gets AdamW as optax.adamw gives it."""
+    lr, wd = 0.05, 0.1
+    tx = dion2(lr, fraction=FRACTION, ef_decay=EF_DECAY, weight_decay=wd, matmul_dtype="float32",
+               adamw=AdamW(weight_decay=0.01))
+    rng = np.random.default_rng(11)
+    w = rng.standard_normal((6, 10))
+    params = {"w": jnp.float32(w), "b": jnp.float32(rng.standard_normal(10))}
+    adam = optax.adamw(lr, b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.01)
+    state, adam_state, b = tx.init(params), adam.init(params["b"]), params["b"]
+    ref = Reference((10, 6))
+    step = jax.jit(lambda g, s, p: tx.update(g, s, p))
+    for i in range(3):
+        g = {"w": rng.standard_normal((6, 10)), "b": rng.standard_normal(10)}
+        updates, state = step(jax.tree.map(jnp.float32, g), state, params)
+        params = optax.apply_updates(params, updates)
+        w = w - lr * (ref.step(g["w"].T).T + wd * w)
+        b_update, adam_state = adam.update(jnp.float32(g["b"]), adam_state, b)
+        b = optax.apply_updates(b, b_update)
+        np.testing.assert_allclose(params["w"], w, rtol=TOL["polar_express"],
+                                   atol=TOL["polar_express"], err_msg=f"step {i + 1}")
+        np.testing.assert_allclose(params["b"], b, rtol=1e-6, atol=1e-7)
+
+
+def test_a_zero_gradient_gives_a_zero_update():
+    """A zero momentum: every L1 norm ties at 0, the selected submatrix is zero and
+    its orthogonalization (X / (1.02 * 0 + eps)) stays zero: no NaN."""
+    tx = scale_by_dion2(routing=ROUTING)
+    params = {"w": jnp.zeros((4, 6)), "s": jnp.zeros((2, 5, 3))}
+    updates, state = jax.jit(tx.update)(params, tx.init(params))
+    for x in jax.tree.leaves((updates, state.momentum)):
+        assert bool(jnp.all(x == 0))
+
+
+BAD = [("fraction", 0, "fraction must be a number in (0, 1]"),
+       ("fraction", 1.5, "fraction must be"), ("fraction", -0.25, "fraction must be"),
+       ("fraction", float("nan"), "fraction must be"), ("fraction", True, "fraction must be"),
+       ("ef_decay", 1.0, "ef_decay must be a number in [0, 1)"),
+       ("ef_decay", -0.1, "ef_decay must be"),
+       ("coefficients", "nope", "unknown coefficient set 'nope'"),
+       ("steps", 0, "steps must be an integer >= 1"),
+       ("matmul_dtype", "int8", "matmul_dtype must be a floating-point dtype"),
+       ("epsilon", 0.0, "epsilon must be a finite number > 0"),
+       ("scale", "max", "unknown scale 'max'"), ("rms_factor", -1.0, "rms_factor must be"),
+       ("momentum_dtype", "int32", "momentum_dtype must be a floating-point dtype")]
+
+
+@pytest.mark.parametrize("make", [scale_by_dion2, lambda **kw: dion2(0.1, **kw)],
+                         ids=["scale_by_dion2", "dion2"])
+def test_bad_arguments_are_refused_in_one_line(make):
+    """Each bad option raises a one-line ValueError naming it, at construction."""
+    for name, value, words in BAD:
+        with pytest.raises(ValueError) as err:
+            make(**{name: value})
+        message = str(err.value)
+        assert "\n" not in message and words in message, (name, value, message)
+    for kwargs, words in [(dict(learning_rate=0.0), "learning_rate"),
+                          (dict(learning_rate=0.1, weight_decay=-1.0), "weight_decay"),
+                          (dict(learning_rate=0.1, weight_decay_method="l1"), "weight_decay")]:
+        with pytest.raises(ValueError, match=words):
+            dion2(**kwargs)
+
+
+MODEL = GPTConfig(vocab_size=259, d_model=32, n_layers=3, n_heads=4, n_kv_heads=2,
+                  d_ff=64).pad_vocab(2)
+
+
+def test_owner_layout_steps_like_one_device_with_no_collective():
+    """A small GPT (3 layers, fused QKV and SwiGLU split as Muon splits them) on 8
+    devices under the owner layout (fsdp 8: whole matrices on their owners): three
+    steps of dion2 (fp32 matmuls) give one device's params, and the optimizer step
+    compiles with no collective (selection, Polar Express and scatter all local)."""
+    mesh = make_mesh(MeshConfig(fsdp=8))
+    layout = make_layout("owner", mesh.shape)
+    cfg = dataclasses.replace(MODEL, layer_group=layout.layer_group)
+    make_model = lambda: GPT(cfg, nnx.Rngs(0))
+    plan = make_plan(nnx.split(nnx.eval_shape(make_model))[1], mesh, layout)
+    options = dict(weight_decay=0.1, matmul_dtype="float32")
+    tx = dion2(0.02, plan=plan, **options)
+    _, state = create_train_state(make_model, tx, plan)
+    report = hlo_collectives(jax.jit(optimizer_step(tx)), state.params, state.opt_state,
+                             grads_of(state.params, 0))
+    assert report.collectives == (), report.table()
+    got = jax.device_get(three_steps(tx, state.params, state.opt_state))
+
+    params = nnx.split(make_model())[1]
+    local = dion2(0.02, **options)
+    want = jax.device_get(three_steps(local, params, local.init(trainable_params(params))))
+    for (path, a), b in zip(jax.tree.leaves_with_path(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6, err_msg=jax.tree_util.keystr(path))
