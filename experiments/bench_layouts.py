@@ -138,7 +138,7 @@ def measure(variant: str, mesh, model: GPTConfig, tokens, optim: str = "muon") -
     keep = variant == KEPT
     layout = make_layout("fsdp" if variant == OPTAX else "owner" if keep else layout_name,
                          mesh.shape, assignment=assignment)
-    cfg = dataclasses.replace(model, layer_group=layout.layer_group, keep_gathered=keep)
+    cfg = dataclasses.replace(model, **layout.stack_fields, keep_gathered=keep)
     train = TrainConfig(steps=10, grad_clip=0.0, schedule=ScheduleConfig(warmup_steps=0),
                         optim=optim)
     make_model = lambda: GPT(cfg, nnx.Rngs(0))

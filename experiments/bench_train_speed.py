@@ -79,7 +79,7 @@ def build_step(cfg: TrainConfig):
     mesh = make_mesh(cfg.mesh, jax.devices()[:1])
     layout = make_layout(cfg.layout, mesh.shape)
     model_cfg: GPTConfig = dataclasses.replace(cfg.model.pad_vocab(1),
-                                               layer_group=layout.layer_group)
+                                               **layout.stack_fields)
     make_model = lambda: GPT(model_cfg, nnx.Rngs(cfg.seed))
     optimizer = make_optimizer(cfg, nnx.split(nnx.eval_shape(make_model))[1], mesh, layout)
     graphdef, state = create_train_state(make_model, optimizer.tx, optimizer.plan)

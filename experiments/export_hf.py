@@ -48,7 +48,7 @@ def run_config(meta: dict) -> TrainConfig:
         if group != "model":
             (groups.setdefault(group, {}).__setitem__(name, value) if name
              else flat.__setitem__(group, value))
-    model = {**meta["model"], "layer_group": 1, "padded_vocab_size": None}
+    model = {**meta["model"], "layer_group": 1, "stages": 1, "padded_vocab_size": None}
     model = GPTConfig(**{**model, "moe": MoEConfig(**model["moe"])})
     base = TrainConfig()
     parts = {g: dataclasses.replace(getattr(base, g), **fields) for g, fields in groups.items()}

@@ -224,7 +224,7 @@ def abstract_program(s: Setting, layout_name: str, devices=None):
     mesh = make_mesh(MeshConfig(**{"fsdp": 1, **s.mesh}), devices)
     layout = make_layout("fsdp" if layout_name == OPTAX else layout_name, mesh.shape)
     cfg = dataclasses.replace(model_config(s.model, mesh.shape["tensor"]),
-                              layer_group=layout.layer_group)
+                              **layout.stack_fields)
     make_model = lambda: GPT(cfg, nnx.Rngs(0))
     graphdef, abstract_params = nnx.split(nnx.eval_shape(make_model))
     train = train_config(s, layout_name)

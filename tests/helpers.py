@@ -20,7 +20,7 @@ from jmegatron.train.optimizer import make_optimizer
 def build(mesh, layout_name, model, train):
     """(layout, optimizer, graphdef, state) of ``model`` under a layout, born sharded."""
     layout = make_layout(layout_name, mesh.shape, assignment=train.assignment)
-    cfg = dataclasses.replace(model, layer_group=layout.layer_group)
+    cfg = dataclasses.replace(model, **layout.stack_fields)
     make_model = lambda: GPT(cfg, nnx.Rngs(0))
     abstract = nnx.split(nnx.eval_shape(make_model))[1]
     optimizer = make_optimizer(train, abstract, mesh, layout)
@@ -29,7 +29,7 @@ def build(mesh, layout_name, model, train):
 
 
 def codecs_for(model, layout, optimizer, state):
-    cfg = dataclasses.replace(model, layer_group=layout.layer_group)
+    cfg = dataclasses.replace(model, **layout.stack_fields)
     return cfg, leaf_codecs(state, optimizer.plan)
 
 

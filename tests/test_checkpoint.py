@@ -52,6 +52,7 @@ D8, D4 = MeshConfig(data=2, fsdp=2, tensor=2), MeshConfig(fsdp=2, tensor=2)
 T4 = MeshConfig(fsdp=2, tensor=4)
 L8 = MeshConfig(data=2, fsdp=4)
 F8 = MeshConfig(fsdp=8)     # owner: 4 layers in one group of 8, half of it padding
+S2, S4 = MeshConfig(stage=2, data=2, fsdp=2), MeshConfig(stage=4, fsdp=2)
 CASES = {   # name: (source mesh, layout, devices), (target mesh, layout, devices)
     "8_to_4_devices": ((D8, "fsdp", 8), (D4, "fsdp", 4)),
     "4_to_8_devices": ((D4, "fsdp", 4), (D8, "fsdp", 8)),
@@ -64,6 +65,11 @@ CASES = {   # name: (source mesh, layout, devices), (target mesh, layout, device
     # SOAP's per-matrix factors: padded under layerwise, grouped (and padded) under owner.
     "soap_layerwise_to_owner": ((L8, "layerwise", 8), (L8, "owner", 8), "soap"),
     "soap_padded_owner_to_fsdp_tensor_2": ((F8, "owner", 8), (D8, "fsdp", 8), "soap"),
+    # Pipeline stages: block weights and their state [S, L/S, ...] split over `stage`.
+    "stage_2_to_1": ((S2, "fsdp", 8), (D8, "fsdp", 8)),
+    "stage_1_to_4": ((D8, "fsdp", 8), (S4, "replicated", 8)),
+    "soap_stage_4_to_owner": ((S4, "fsdp", 8), (L8, "owner", 8), "soap"),
+    "soap_layerwise_to_stage_2": ((L8, "layerwise", 8), (S2, "fsdp", 8), "soap"),
 }
 
 

@@ -327,7 +327,7 @@ def test_owner_layout_steps_like_one_device_with_no_collective():
     compiles with no collective (selection, Polar Express and scatter all local)."""
     mesh = make_mesh(MeshConfig(fsdp=8))
     layout = make_layout("owner", mesh.shape)
-    cfg = dataclasses.replace(MODEL, layer_group=layout.layer_group)
+    cfg = dataclasses.replace(MODEL, **layout.stack_fields)
     make_model = lambda: GPT(cfg, nnx.Rngs(0))
     plan = make_plan(nnx.split(nnx.eval_shape(make_model))[1], mesh, layout)
     options = dict(weight_decay=0.1, matmul_dtype="float32")

@@ -84,7 +84,7 @@ TRANSFORMS = {
 def built(name: str, layout_name: str, mesh_config: MeshConfig):
     mesh = make_mesh(mesh_config)
     layout = make_layout(layout_name, mesh.shape)
-    make_model = lambda: GPT(dataclasses.replace(MODEL, layer_group=layout.layer_group),
+    make_model = lambda: GPT(dataclasses.replace(MODEL, **layout.stack_fields),
                              nnx.Rngs(0))
     plan = make_plan(nnx.split(nnx.eval_shape(make_model))[1], mesh, layout)
     tx = TRANSFORMS[name](mesh=mesh, layout=layout)

@@ -94,7 +94,7 @@ def test_loaded_logits_equal_transformers(folders, kind, where):
         layout = make_layout("owner", mesh.shape)
         rules = layout.rules
         cfg = dataclasses.replace(hf.config_from_hf(folder).pad_vocab(2),
-                                  layer_group=layout.layer_group)
+                                  **layout.stack_fields)
     model = hf.load(folder, mesh, rules, cfg=cfg)
     if mesh is not None:   # born split: no device holds a whole projection
         qkv = (model.moe_blocks if kind == "qwen3_moe" else model.blocks).attn.qkv[...]

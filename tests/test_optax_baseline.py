@@ -86,7 +86,7 @@ def test_first_step_matches_jmegatron_muon(scale, coefficients):
     train = train_config(scale, coefficients)
     layout, ours, _, state = helpers.build(mesh, "fsdp", MODEL, train)
     theirs = optax_muon(train, ours)
-    model = dataclasses.replace(MODEL, layer_group=layout.layer_group)
+    model = dataclasses.replace(MODEL, **layout.stack_fields)
     _, optax_state = create_train_state(lambda: GPT(model, nnx.Rngs(0)), theirs.tx,
                                         theirs.plan)   # its state placed by the fsdp plan
     chex.assert_trees_all_equal(state.params, optax_state.params)   # same init, same place

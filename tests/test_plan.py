@@ -57,7 +57,7 @@ def mesh():
 
 
 def config(layout):
-    return dataclasses.replace(MODEL, layer_group=layout.layer_group)
+    return dataclasses.replace(MODEL, **layout.stack_fields)
 
 
 @functools.cache

@@ -26,7 +26,7 @@ TOKENS = jax.random.randint(jax.random.key(0), (8, 17), 0, MODEL.vocab_size)
 def loss_and_grads(mesh, layout_name, model, aux=False):
     """(jitted params -> (loss, grads), params); with ``aux``, ((loss, aux), grads)."""
     layout, _, graphdef, state = helpers.build(mesh, layout_name, model, TRAIN)
-    cfg = dataclasses.replace(model, layer_group=layout.layer_group)
+    cfg = dataclasses.replace(model, **layout.stack_fields)
     loss_fn = make_loss_fn(graphdef, cfg, mesh, layout)
     loss = (lambda p: loss_fn(p, TOKENS)) if aux else (lambda p: loss_fn(p, TOKENS)[0])
     return jax.jit(jax.value_and_grad(loss, has_aux=aux)), state.params

@@ -127,6 +127,9 @@ class GPTConfig:
       layer_group: Stack block weights as [G, g, ...], G = ceil(L / g), the last group
         padded with zero layers the forward skips (set by the owner layout to the fsdp
         size).
+      stages: Split each block stack into this many contiguous pipeline stages,
+        [S, ceil(L / S), ...], the last padded with zero layers (set from the mesh's
+        stage axis).
       prefetch: Grouped dense stacks (owner layout): issue group i+1's all-gather before
         group i runs, in both passes, so GPU/TPU schedulers can hide it; each group's
         layers are unrolled, and it holds at most one more group per device (see
@@ -159,6 +162,7 @@ class GPTConfig:
     vocab_multiple: int = 128
     padded_vocab_size: int | None = None
     layer_group: int = 1
+    stages: int = 1
     prefetch: bool = False
     keep_gathered: bool = False
     moe: MoEConfig = MoEConfig()
@@ -166,7 +170,7 @@ class GPTConfig:
     def __post_init__(self):
         object.__setattr__(self, "rope_scaling", tuple(self.rope_scaling))   # JSON gives lists
         _at_least(self, 1, "vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff",
-                  "vocab_multiple", "layer_group")
+                  "vocab_multiple", "layer_group", "stages")
         _finite_positive(self, "init_std", "norm_eps", "rope_theta")
         _require(not self.rope_scaling or (len(self.rope_scaling) == 4
                                            and 0 < self.rope_scaling[1] < self.rope_scaling[2]),
@@ -189,6 +193,14 @@ class GPTConfig:
                  f"the owner layout (layer_group={self.layer_group}) gathers each stack group "
                  "by group, so it needs the dense and MoE layers in two runs (moe.every=1), "
                  f"not moe.every={self.moe.every}; use the fsdp, replicated or layerwise layout")
+        _require(self.stages <= self.n_layers,
+                 f"{self.stages} pipeline stages for {self.n_layers} layers: use at most one "
+                 "stage per layer")
+        _require(self.stages == 1 or self.layer_group == 1,
+                 f"pipeline stages ({self.stages}) with the owner layout's layer groups "
+                 f"({self.layer_group}) are not supported yet: use the fsdp or replicated layout")
+        _require(self.stages == 1 or not self.moe.n_experts,
+                 f"pipeline stages ({self.stages}) with MoE layers are not supported yet")
         _require(not self.moe.n_experts or any(self.moe_layers),
                  f"moe.first_dense={self.moe.first_dense} and moe.every={self.moe.every} leave "
                  f"no MoE layer among {self.n_layers}")
@@ -233,7 +245,9 @@ class GPTConfig:
         # Every MLP width is split over the same axes; their gcd divides exactly when all do.
         widths = ([self.d_ff] if not all(self.moe_layers) else []) + (
             [m.d_ff] + ([m.shared_d_ff] if m.shared_d_ff else []) if m.n_experts else [])
-        dims = {"layer_groups": -(-self.n_layers // self.layer_group), "layers": self.layer_group,
+        per_stage = -(-self.n_layers // self.stages)
+        dims = {"stages": self.stages,
+                "layer_groups": -(-per_stage // self.layer_group), "layers": self.layer_group,
                 "embed": self.d_model, "mlp": math.gcd(*widths),
                 "heads": self.n_heads, "kv_heads": self.n_kv_heads,
                 "head_dim": self.resolved_head_dim, "vocab": self.vocab}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import math
 from typing import NamedTuple
 
 import jax
@@ -35,7 +36,8 @@ class GPT(nnx.Module):
     """Decoder-only Transformer; every block weight is stacked as [L, ...].
 
     Dense and MoE blocks sit in two stacks, ``blocks`` and ``moe_blocks``, each
-    grouped [G, g, ...] when ``cfg.layer_group`` g > 1. The padded vocabulary
+    grouped [G, g, ...] when ``cfg.layer_group`` g > 1, or split into pipeline
+    stages [S, L/S, ...] when ``cfg.stages`` S > 1. The padded vocabulary
     rows of the embedding and head start at zero (and stay there: the loss masks
     them). ``create_sharded(lambda: GPT(cfg, nnx.Rngs(0)), mesh)`` builds it
     sharded.
@@ -61,12 +63,10 @@ class GPT(nnx.Module):
 
         if cfg.dense_layers:   # MoE blocks stack apart from dense ones
             self.blocks = stacked(Block, cfg.dense_layers)
-            if cfg.layer_group > 1:
-                group_layers(self.blocks, cfg.layer_group)
+            split_stack(self.blocks, cfg)
         if cfg.dense_layers < cfg.n_layers:
             self.moe_blocks = stacked(MoEBlock, cfg.n_layers - cfg.dense_layers)
-            if cfg.layer_group > 1:
-                group_layers(self.moe_blocks, cfg.layer_group)
+            split_stack(self.moe_blocks, cfg)
         self.final_norm = param(rngs, (cfg.d_model,), (ax.NORM,), None)
         if not cfg.tie_embeddings:
             self.head = param(rngs, (cfg.d_model, cfg.vocab), (ax.EMBED, ax.VOCAB), cfg.init_std)
@@ -144,20 +144,31 @@ def zero_padding(var: nnx.Param, vocab_size: int, axis: int) -> None:
         var.set_metadata(real_vocab=vocab_size)
 
 
-def group_layers(blocks: nnx.Module, group: int) -> None:
-    """Reshapes every stacked [L, ...] weight of ``blocks`` to [G, group, ...] in
-    place, G = ceil(L / group), padding with zero layers: the same values, so a
-    canonical checkpoint is a reshape and a slice away. The forward skips the
-    padding, which thus gets zero gradients and no use (zero weights would also
-    make a block the identity: its output projections add nothing)."""
+def split_stack(blocks: nnx.Module, cfg: GPTConfig) -> None:
+    """Splits the stack of ``blocks`` as the layout runs it: into ``cfg.stages``
+    pipeline stages [S, ceil(L / S), ...], or into owner groups [G, g, ...] of
+    ``cfg.layer_group`` layers; [L, ...] stays for neither."""
+    layers = jax.tree.leaves(nnx.state(blocks))[0].shape[0]
+    if cfg.stages > 1:
+        stack_layers(blocks, (cfg.stages, -(-layers // cfg.stages)), ax.STAGES)
+    elif cfg.layer_group > 1:
+        stack_layers(blocks, (-(-layers // cfg.layer_group), cfg.layer_group), ax.LAYER_GROUPS)
+
+
+def stack_layers(blocks: nnx.Module, stack: tuple[int, int], outer: str) -> None:
+    """Reshapes every stacked [L, ...] weight of ``blocks`` to [*stack, ...] in place
+    (layers in order, the outer dim named ``outer``), padding the end with zero
+    layers: the same values, so a canonical checkpoint is a reshape and a slice
+    away. The runners skip padding in a last owner group; a pipeline stage runs
+    its padding layers, which zero weights make the identity with zero gradients
+    (every projection is zero: attention and MLP add nothing, and nothing flows
+    back into them)."""
     for _, var in nnx.iter_graph(blocks):
         if isinstance(var, nnx.Variable):
             value, layers = var[...], var.shape[0]
-            slots = -(-layers // group) * group
-            value = jnp.pad(value, [(0, slots - layers)] + [(0, 0)] * (value.ndim - 1))
-            var.set_value(value.reshape(slots // group, group, *value.shape[1:]))
-            var.set_metadata(out_sharding=(ax.LAYER_GROUPS, *logical_axes_of(var)),
-                             real_layers=layers)
+            value = jnp.pad(value, [(0, math.prod(stack) - layers)] + [(0, 0)] * (value.ndim - 1))
+            var.set_value(value.reshape(*stack, *value.shape[1:]))
+            var.set_metadata(out_sharding=(outer, *logical_axes_of(var)), real_layers=layers)
 
 
 def real_layers(var) -> int | None:

@@ -1,7 +1,7 @@
 """Between a leaf as it lives on the mesh and its canonical (checkpoint) form.
 
 The canonical form does not depend on the mesh or the layout: block weights
-[L, ...] (not grouped [G, g, ...] with padding layers), the vocabulary
+[L, ...] (not stacked [G, g, ...] or [S, L/S, ...] with padding layers), the vocabulary
 unpadded, matrix-optimizer state in its parameter's shape (not padded and
 reordered for layerwise owners). The plan (``jmegatron.optim.plan``) gives
 every leaf of params and optimizer state its codec.
@@ -10,6 +10,7 @@ every leaf of params and optimizer state its codec.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -24,8 +25,9 @@ from jmegatron.sharding.rules import spec_axes
 class LeafCodec:
     """How one live leaf maps to its canonical form (the default: unchanged)."""
 
-    layers: int = 0                     # grouped [G, g, ...] <-> [L, ...]: L (0: not grouped)
-    group: int = 1                      # g
+    layers: int = 0                     # a stack [*stack, ...] <-> [L, ...]: L (0: [L, ...])
+    stack: tuple[int, ...] = ()         # its live stack dims, filled in order, padded at the
+                                        # end: (G, g) owner groups, (S, L/S) pipeline stages
     vocab_dim: int | None = None        # padded vocabulary <-> the real one
     vocab: tuple[int, int] = (0, 0)     # (real, padded) vocabulary sizes
     placement: Placement | None = None  # layerwise matrix-optimizer state: the stack padded
@@ -34,7 +36,7 @@ class LeafCodec:
         if self.placement is not None:
             x = self.placement.unpad(x)
         if self.layers:
-            x = x.reshape(-1, *x.shape[2:])[:self.layers]
+            x = x.reshape(-1, *x.shape[len(self.stack):])[:self.layers]
         if self.vocab_dim is not None:
             x = jax.lax.slice_in_dim(x, 0, self.vocab[0], axis=self.vocab_dim)
         return x
@@ -45,9 +47,9 @@ class LeafCodec:
             widths[self.vocab_dim] = (0, self.vocab[1] - self.vocab[0])
             x = jnp.pad(x, widths)
         if self.layers:
-            slots = -(-self.layers // self.group) * self.group
+            slots = math.prod(self.stack)
             x = jnp.pad(x, [(0, slots - self.layers)] + [(0, 0)] * (x.ndim - 1))
-            x = x.reshape(slots // self.group, self.group, *x.shape[1:])
+            x = x.reshape(*self.stack, *x.shape[1:])
         if self.placement is not None:
             x = self.placement.pad(x)
         return x
@@ -59,10 +61,10 @@ def canonical_sharding(sharding: jax.sharding.Sharding, codec: LeafCodec,
     merged for ungrouped layers, dropped where the canonical size does not divide."""
     if not isinstance(sharding, NamedSharding):
         return sharding
-    spec = list(sharding.spec) + [None] * (len(shape) + (1 if codec.layers else 0)
-                                          - len(sharding.spec))
+    depth = len(codec.stack) if codec.layers else 1
+    spec = list(sharding.spec) + [None] * (len(shape) + depth - 1 - len(sharding.spec))
     if codec.layers:
-        spec = [spec_axes(spec[0]) + spec_axes(spec[1]) or None] + spec[2:]
+        spec = [sum((spec_axes(e) for e in spec[:depth]), ()) or None] + spec[depth:]
     mesh = sharding.mesh
     size = lambda entry: int(np.prod([mesh.shape[a] for a in spec_axes(entry)]))
     spec = [entry if entry is not None and shape[i] % size(entry) == 0 else None

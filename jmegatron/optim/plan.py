@@ -112,7 +112,7 @@ class LeafPlan:
     def blocks_codec(self) -> LeafCodec:
         if self.placement is None:
             return LeafCodec()
-        return LeafCodec(self.codec.layers, self.codec.group,
+        return LeafCodec(self.codec.layers, self.codec.stack,
                          placement=self.placement.for_blocks())
 
     def as_route(self) -> LeafRoute:
@@ -325,7 +325,7 @@ def _codec(node, leaf: LeafRoute) -> LeafCodec:
     (the model's ``real_layers``) and a padded vocabulary (``real_vocab``)."""
     meta = node.get_metadata() if _is_variable(node) else {}
     layers, vocab = meta.get("real_layers", 0), meta.get("real_vocab")
-    grouped = dict(layers=layers, group=leaf.shape[1]) if layers else {}
+    grouped = dict(layers=layers, stack=tuple(leaf.shape[:2])) if layers else {}
     if vocab is None:
         return LeafCodec(**grouped)
     dim = leaf.logical.index(ax.VOCAB)

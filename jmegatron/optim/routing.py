@@ -23,7 +23,7 @@ from jmegatron.sharding import rules as ax
 from jmegatron.sharding.rules import DEFAULT_RULES, logical_axes_of
 
 MATRIX, ADAMW = "matrix", "adamw"
-BATCH_AXES = (ax.LAYER_GROUPS, ax.LAYERS, ax.EXPERTS)   # logical axes stacking matrices
+BATCH_AXES = (ax.STAGES, ax.LAYER_GROUPS, ax.LAYERS, ax.EXPERTS)   # logical axes stacking matrices
 HEAD_AXES = (ax.HEADS, ax.KV_HEADS, ax.QKV)   # become batch axes in per-head mode
 KNOWN_AXES = frozenset(name for name, _ in DEFAULT_RULES)
 _ADAMW_NAME = re.compile(r"(^|[_.])(embed\w*|wte|wpe|lm_head|head|unembed\w*|\w*norm\w*|ln_\w+|"

@@ -39,8 +39,10 @@ from typing import ClassVar, Mapping
 
 from jax.sharding import PartitionSpec as P
 
-from jmegatron.sharding.rules import (BATCH, DEFAULT_RULES, EMBED, LAYER_GROUPS, LAYERS, Rules,
-                                     logical_to_spec, mesh_axes_of, spec_axes, with_rules)
+from jmegatron.sharding.pipeline import PipelineRunner
+from jmegatron.sharding.rules import (BATCH, DEFAULT_RULES, EMBED, LAYER_GROUPS, LAYERS, STAGES,
+                                     Rules, logical_to_spec, mesh_axes_of, spec_axes, split_size,
+                                     with_rules)
 from jmegatron.sharding.runners import GroupedRunner, ScanRunner, ScatterRunner, StackRunner
 
 LAYOUTS = ("replicated", "layerwise", "fsdp", "owner")
@@ -54,10 +56,12 @@ class Layout:
     (``jmegatron.optim.plan``) asks it and nothing else compares layout names."""
 
     name: ClassVar[str]
+    pipelines: ClassVar[bool] = True    # composes with pipeline stages (the stage axis)
     rules: Rules                        # params and activations
     owner_axes: tuple[str, ...] = ()    # mesh axes a matrix stack is split over for its state
     owner_sizes: tuple[int, ...] = ()   # their sizes
     assignment: str = "round_robin"     # which owner gets which matrix (layerwise)
+    stages: int = 1                     # pipeline stages (the mesh axes ``stages`` maps to)
 
     @property
     def owners(self) -> int:
@@ -69,10 +73,24 @@ class Layout:
         """Block weights stacked [G, g, ...] with g this; 1: [L, ...]."""
         return 1
 
-    def runner(self, prefetch: bool = False, keep_gathered: bool = False) -> StackRunner:
-        """How the model's layer stacks run under this layout (``sharding.runners``);
-        ``prefetch`` and ``keep_gathered`` are the owner layout's options
-        (``GPTConfig``)."""
+    @property
+    def stack_fields(self) -> dict[str, int]:
+        """How the model must stack its blocks for this layout: the ``GPTConfig``
+        fields ``layer_group`` and ``stages`` (``dataclasses.replace(cfg, **these)``)."""
+        return {"layer_group": self.layer_group, "stages": self.stages}
+
+    def runner(self, prefetch: bool = False, keep_gathered: bool = False,
+               microbatches: int = 1) -> StackRunner:
+        """How the model's layer stacks run under this layout (``sharding.runners``):
+        through the pipeline of ``microbatches`` where there are stages, each stage's
+        layers by this layout's own runner. ``prefetch`` and ``keep_gathered`` are the
+        owner layout's options (``GPTConfig``)."""
+        inner = self.stage_runner(prefetch, keep_gathered)
+        return (PipelineRunner(stages=self.stages, microbatches=microbatches, inner=inner)
+                if self.stages > 1 else inner)
+
+    def stage_runner(self, prefetch: bool, keep_gathered: bool) -> StackRunner:
+        """The runner of one stage's layers (all of them without a pipeline)."""
         return ScanRunner()
 
     def param_spec(self, logical: tuple) -> P:
@@ -102,8 +120,9 @@ class FSDP(Layout):
 
 class Layerwise(Layout):
     name = "layerwise"
+    pipelines = False
 
-    def runner(self, prefetch: bool = False, keep_gathered: bool = False) -> StackRunner:
+    def stage_runner(self, prefetch: bool, keep_gathered: bool) -> StackRunner:
         # The layers send their gradients to the owners (sharding.scatter).
         return ScatterRunner(owners=self.owner_axes)
 
@@ -131,12 +150,13 @@ class Layerwise(Layout):
 
 class Owner(Layout):
     name = "owner"
+    pipelines = False
 
     @property
     def layer_group(self) -> int:
         return self.owners
 
-    def runner(self, prefetch: bool = False, keep_gathered: bool = False) -> StackRunner:
+    def stage_runner(self, prefetch: bool, keep_gathered: bool) -> StackRunner:
         return GroupedRunner(self.layer_group, prefetch, keep_gathered) \
             if self.layer_group > 1 else ScanRunner()
 
@@ -158,16 +178,23 @@ def make_layout(name: str, mesh_shape: Mapping[str, int], rules: Rules = DEFAULT
         raise ValueError(f"unknown assignment {assignment!r}; choose one of {ASSIGNMENTS}")
     live = lambda axes: tuple(a for a in axes if mesh_shape.get(a, 1) > 1)
     sizes = lambda axes: tuple(mesh_shape[a] for a in axes)
+    stages = split_size(mesh_shape, rules, STAGES)
+    if stages > 1 and not _LAYOUTS[name].pipelines:
+        raise ValueError(f"the {name} layout with pipeline stages (stage={stages}) is not "
+                         f"supported yet: use {' or '.join(n for n, c in _LAYOUTS.items() if c.pipelines)}")
     replicated_params = with_rules(rules, embed=None)
     if name == "replicated":
-        return Replicated(replicated_params)
+        return Replicated(replicated_params, stages=stages)
     if name == "layerwise":   # the ranks that hold different data own the matrices
         owners = live(mesh_axes_of(BATCH, rules))
         return Layerwise(replicated_params, owners, sizes(owners), assignment)
     if name == "fsdp":
-        return FSDP(rules)
+        return FSDP(rules, stages=stages)
     # The ZeRO-3 axes own whole matrices. The stack axis takes them; block weights'
     # embed axis then stays whole (a mesh axis splits an array once), while the
     # embedding and head keep their element-wise split.
     zero3 = mesh_axes_of(EMBED, rules)
     return Owner(with_rules(rules, **{LAYERS: zero3 or None}), live(zero3), sizes(live(zero3)))
+
+
+_LAYOUTS: dict[str, type[Layout]] = {c.name: c for c in (Replicated, Layerwise, FSDP, Owner)}

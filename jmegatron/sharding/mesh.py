@@ -1,4 +1,8 @@
-"""Device meshes with the four jmegatron axes: data, fsdp, expert, tensor."""
+"""Device meshes with the five jmegatron axes: stage, data, fsdp, expert, tensor.
+
+The mesh is an ordered axis -> size mapping; what each axis does is the rules'
+business (``jmegatron.sharding.rules``): which logical axes it splits.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +13,7 @@ from typing import Sequence
 import jax
 import numpy as np
 
-MESH_AXES = ("data", "fsdp", "expert", "tensor")
+MESH_AXES = ("stage", "data", "fsdp", "expert", "tensor")   # outermost first
 # The batch is split over every axis that holds a different slice of data.
 BATCH_AXES = ("data", "fsdp", "expert")
 
@@ -22,6 +26,8 @@ class MeshConfig:
     fsdp: int = -1
     expert: int = 1
     tensor: int = 1
+    stage: int = 1
+    """Pipeline stages: the layer stacks split into this many contiguous parts."""
 
     def sizes(self) -> dict[str, int]:
         return {name: getattr(self, name) for name in MESH_AXES}

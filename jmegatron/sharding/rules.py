@@ -23,6 +23,7 @@ from jmegatron.sharding.mesh import BATCH_AXES
 LAYERS, EMBED, MLP, HEADS, KV_HEADS, HEAD_DIM, VOCAB, EXPERTS = (
     "layers", "embed", "mlp", "heads", "kv_heads", "head_dim", "vocab", "experts")
 LAYER_GROUPS = "layer_groups"   # outer axis of block weights stacked [L/g, g, ...]
+STAGES = "stages"               # outer axis of block weights stacked [S, L/S, ...] (pipeline)
 QKV = "qkv"     # the query-group / key / value slot of a fused QKV weight
 GLU = "glu"     # the gate / up slot of a fused SwiGLU input weight
 NORM = "norm"   # scale vectors of norms (tiny; replicated)
@@ -41,6 +42,7 @@ Rules = tuple[tuple[str, MeshAxes], ...]
 # An axis of size 1 costs nothing, so this one table serves every product of
 # data, fsdp and tensor; experts are spread over `expert`.
 DEFAULT_RULES: Rules = (
+    (STAGES, "stage"),
     (LAYER_GROUPS, None),
     (LAYERS, None),
     (EMBED, "fsdp"),

@@ -7,7 +7,7 @@ how their gradients come back:
 
   ScanRunner      a scan over [L, ...] weights placed as the rules say; XLA
                   partitions it (replicated, fsdp; and every layout on one
-                  device unless the stack is grouped).
+                  device unless the stack is grouped; stages run in turn).
   ScatterRunner   layerwise: a whole dense stack on replicated weights, each
                   rank's gradients reduce-scattered onto the ranks that own
                   them (``sharding.scatter``); otherwise a scan.
@@ -15,6 +15,8 @@ how their gradients come back:
                   each group is gathered, run, and its gradients sent back to
                   the owners (``rules.run_gathered``, ``rules.run_constrained``,
                   or ``sharding.prefetch`` with the gather one group ahead).
+  PipelineRunner  a stack [S, L/S, ...] over pipeline stages, each stage's
+                  layers by the layout's runner (``sharding.pipeline``).
 
 The layout makes its runner (``Layout.runner``), and the loss function hands
 it to the model with the mesh and rules (``running`` beside
@@ -35,7 +37,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jmegatron.sharding.prefetch import run_prefetched
-from jmegatron.sharding.rules import (LAYER_GROUPS, LAYERS, active_mesh_and_rules,
+from jmegatron.sharding.rules import (LAYER_GROUPS, LAYERS, STAGES, active_mesh_and_rules,
                                      logical_axes_of, only_batch_axes_live, run_constrained,
                                      run_gathered)
 from jmegatron.sharding.scatter import run_stack
@@ -60,11 +62,15 @@ class Stack(NamedTuple):
         return jax.tree.leaves(self.state)
 
     @property
-    def group(self) -> int:
-        """g of a stack grouped [G, g, ...]; 1 for [L, ...]."""
+    def outer_axis(self) -> str | None:
+        """The logical axis of the stack's first dim (layer groups, stages or layers)."""
         first = jax.tree.leaves(self.state, is_leaf=_is_variable)[0]
-        grouped = (logical_axes_of(first) or (None,))[0] == LAYER_GROUPS
-        return first.shape[1] if grouped else 1
+        return (logical_axes_of(first) or (None,))[0]
+
+    @property
+    def group(self) -> int:
+        """g of a stack grouped [G, g, ...]; 1 for [L, ...] and [S, L/S, ...]."""
+        return self.leaves[0].shape[1] if self.outer_axis == LAYER_GROUPS else 1
 
     @property
     def whole(self) -> bool:
@@ -87,6 +93,10 @@ class StackRunner:
         """x through ``stack``'s layers start..start+n: (x, stats [n, ...])."""
         self.check(stack)
         leaves = stack.leaves
+        if stack.outer_axis == STAGES:   # [S, L/S, ...]: every slot in turn, then the
+            # real layers' stats (zero padding layers are the identity: gpt.stack_layers)
+            x, stats = stack.scan(x, [leaf.reshape(-1, *leaf.shape[2:]) for leaf in leaves])
+            return x, jax.tree.map(lambda a: a[:stack.n], stats)
         if not stack.whole:
             leaves = [leaf[stack.start:stack.start + stack.n] for leaf in leaves]
         return stack.scan(x, leaves)

@@ -23,6 +23,7 @@ from jmegatron.data.batches import require_window
 from jmegatron.models import GPT, GPTConfig, hf, qk_clipper, validate_sharding
 from jmegatron.sharding import MeshConfig, Rules, logical_to_spec, make_mesh
 from jmegatron.sharding.layouts import Layout, make_layout
+from jmegatron.sharding.pipeline import bubble
 from jmegatron.sharding import rules as ax
 from jmegatron.train import run_folder
 from jmegatron.train.checkpoint import (Checkpointer, CheckpointDamaged, CheckpointError, FORMAT,
@@ -102,8 +103,11 @@ def plan_run(cfg: TrainConfig) -> Plan:
         raise ValueError(f"--top-k {cfg.top_k}: must be at most the vocabulary "
                          f"(model.vocab_size={cfg.model.vocab_size})")
     layout = make_layout(cfg.layout, mesh.sizes(), assignment=cfg.assignment)
+    if layout.stages > 1 and cfg.microbatches < layout.stages:
+        raise ValueError(f"--mesh.stage {layout.stages} needs --microbatches >= "
+                         f"{layout.stages} (got {cfg.microbatches}): every stage would idle")
     vocab_parts = ax.split_size(mesh.sizes(), layout.rules, ax.VOCAB)
-    model = dataclasses.replace(cfg.model.pad_vocab(vocab_parts), layer_group=layout.layer_group)
+    model = dataclasses.replace(cfg.model.pad_vocab(vocab_parts), **layout.stack_fields)
     validate_sharding(model.logical_dims(), mesh.sizes(), layout.rules, cfg.microbatch_size)
     if model.prefetch and not ax.only_batch_axes_live(mesh.sizes(), layout.rules):
         raise ValueError(f"--model.prefetch needs --mesh.tensor 1 (got {mesh.tensor}): it "
@@ -162,10 +166,14 @@ class Trainer:
         self.checkpointer = Checkpointer(self.run_dir / "checkpoints", cfg.checkpoint)
         self.resumed: dict = {}   # where this run continues from, and what it changed
         self.start_step = self._resume() if cfg.resume or cfg.resume_from else 0
-        loss_fn = make_loss_fn(self.graphdef, self.model_cfg, self.mesh, self.layout, cfg.z_loss)
+        # With pipeline stages the microbatches run inside the pipeline, not one by one.
+        inner, outer = ((cfg.microbatches, 1) if self.layout.stages > 1
+                        else (1, cfg.microbatches))
+        loss_fn = make_loss_fn(self.graphdef, self.model_cfg, self.mesh, self.layout, cfg.z_loss,
+                               inner)
         clip = qk_clipper(self.model_cfg, cfg.qk_clip, cfg.qk_clip_alpha) if cfg.qk_clip else None
-        self.train_step = make_train_step(loss_fn, self.optimizer, cfg.microbatches,
-                                          self.mesh, self.rules, clip)
+        self.train_step = make_train_step(loss_fn, self.optimizer, outer, self.mesh, self.rules,
+                                          clip)
         self.eval_step = make_eval_step(loss_fn)
         self.sampler = make_sampler(self.graphdef, self.model_cfg, self.mesh, self.rules,
                                     cfg.top_k)
@@ -378,6 +386,12 @@ class Run:
             f"{groups.count(g)} leaves {g}" for g in sorted(set(groups))) +
             f" | {t.cfg.optim} matmuls {self.optimizer_flops / 1e9:.2f} GFLOP/step "
             f"(routing and ownership: {self.dir / 'routing.txt'})")
+        if t.layout.stages > 1:
+            stages, micro = t.layout.stages, t.cfg.microbatches
+            per_stage = -(-t.model_cfg.n_layers // stages)
+            t.log(f"pipeline: {stages} stages of {per_stage} layers, gpipe over {micro} "
+                  f"microbatches: {micro + stages - 1} ticks per pass, bubble "
+                  f"(S-1)/(M+S-1) = {bubble(stages, micro):.1%}")
         warmup = t.cfg.schedule.warmup_steps
         if warmup > t.cfg.steps:
             t.log(f"note: --schedule.warmup-steps {warmup} is longer than the run (--steps "

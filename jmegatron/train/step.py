@@ -28,13 +28,14 @@ PEAKS = ("max_attention_logit",)
 
 
 def make_loss_fn(graphdef: nnx.GraphDef, model_cfg: GPTConfig, mesh: jax.sharding.Mesh,
-                 layout: Layout, z_loss: float = 0.0) -> LossFn:
+                 layout: Layout, z_loss: float = 0.0, microbatches: int = 1) -> LossFn:
     """Next-token loss of the model; activations pinned by the ``layout``'s rules, its
-    layer stacks run by the layout's runner (``Layout.runner``), vocab-parallel loss;
-    plus the weighted MoE losses, with the MoE metrics (``moe_losses``), for MoE models;
-    and the largest attention logit per layer and head."""
+    layer stacks run by the layout's runner (``Layout.runner``: with pipeline stages,
+    over ``microbatches`` inside the pipeline), vocab-parallel loss; plus the weighted
+    MoE losses, with the MoE metrics (``moe_losses``), for MoE models; and the largest
+    attention logit per layer and head."""
     rules = layout.rules
-    runner = layout.runner(model_cfg.prefetch, model_cfg.keep_gathered)
+    runner = layout.runner(model_cfg.prefetch, model_cfg.keep_gathered, microbatches)
 
     def loss_fn(params, tokens):
         with activation_sharding(mesh, rules), running(runner):

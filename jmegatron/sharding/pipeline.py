@@ -1,0 +1,142 @@
+"""Pipeline stages: a layer stack split over the ``stage`` mesh axis, microbatches
+passed from stage to stage.
+
+A stack stored [S, L/S, ...] with its first dim split over the mesh axes the
+rules map ``stages`` to holds stage s's layers on the devices of stage s. The
+``gpipe`` schedule (Huang et al., 2019) runs the M microbatches through the S
+stages in M + S - 1 ticks: at tick t stage s runs microbatch t - s (stage 0
+takes it from the input, the others from their left neighbour by one
+``collective-permute``), and idles (computes on zeros, which nothing reads) on
+the S - 1 ticks where it has none: the bubble, (S - 1) / (M + S - 1) of the
+step. The backward is the transpose, the same ticks in reverse, so GPipe's
+"all forward, then all backward", with each layer's remat as configured.
+
+The embedding, the head and the loss run outside the pipeline, on every stage
+(the stage axis splits no activation): stage 0 reads the microbatches from the
+replicated input, and the last stage's outputs reach every stage by one
+all-reduce over the stage axis (its transpose is free; the input's gradient
+comes back by one all-reduce). Their weights' gradients then need no sum over
+stages. The price is the head's matmuls run S times; Megatron instead puts the
+embedding on the first stage and the head on the last, which an SPMD program
+can only approximate by masking.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from jmegatron.sharding.rules import (ACT_EMBED, BATCH, SEQ, STAGES, active_mesh_and_rules,
+                                     activation_sharding, constrain, logical_axes_of,
+                                     mesh_axes_of)
+from jmegatron.sharding.runners import ScanRunner, Stack, StackRunner
+
+SCHEDULES = ("gpipe",)
+
+
+def bubble(stages: int, microbatches: int) -> float:
+    """The idle fraction of a GPipe step, (S - 1) / (M + S - 1)."""
+    return (stages - 1) / (microbatches + stages - 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineRunner(StackRunner):
+    """Runs a stack [S, L/S, ...] as ``stages`` pipeline stages over ``microbatches``
+    (the ``gpipe`` schedule: module docstring); each stage's layers by ``inner``."""
+
+    stages: int = 2
+    microbatches: int = 2
+    inner: StackRunner = ScanRunner()
+    schedule: str = "gpipe"
+
+    def __post_init__(self):
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"unknown pipeline schedule {self.schedule!r}; choose one of "
+                             f"{SCHEDULES}")
+        if self.microbatches < self.stages:
+            raise ValueError(f"{self.microbatches} microbatches for {self.stages} pipeline "
+                             f"stages: every stage would idle; use --microbatches "
+                             f">= {self.stages}")
+
+    def __call__(self, stack: Stack, x: jax.Array) -> tuple[jax.Array, dict]:
+        leaves = stack.leaves
+        if leaves[0].shape[0] != self.stages:
+            raise ValueError(f"a pipeline of {self.stages} stages got a stack of "
+                             f"{leaves[0].shape[0]}: build the model with "
+                             f"GPTConfig(stages={self.stages})")
+        active = active_mesh_and_rules()
+        if active is None:   # one device: the stages in turn
+            return ScanRunner()(stack, x)
+        mesh, rules = active
+        axis = mesh_axes_of(STAGES, rules)
+        m = self.microbatches
+        b = x.shape[0] // m
+        # Microbatch k takes rows k, k + M, ...: each device's rows split evenly.
+        xm = constrain(x.reshape(b, m, *x.shape[1:]).swapaxes(0, 1),
+                       (None, BATCH, SEQ, ACT_EMBED))
+        per_stage = leaves[0].shape[1]
+
+        def body(xm, blocks):
+            with activation_sharding(jax.sharding.get_abstract_mesh(), rules):
+                return self._ticks(stack, xm, [blk[0] for blk in blocks], axis, per_stage)
+
+        y, stats = jax.shard_map(body, mesh=mesh, in_specs=(P(), [P(axis)] * len(leaves)),
+                                 out_specs=(P(), P(axis)), axis_names=set(axis))(xm, leaves)
+        y = y.swapaxes(0, 1).reshape(x.shape)
+        # [S, M, L/S, b, ...] -> [L, B, ...], the stack's order, the batch's rows.
+        stats = jax.tree.map(lambda s: s.swapaxes(1, 2).reshape(
+            -1, m, b, *s.shape[4:])[:stack.n].swapaxes(1, 2).reshape(stack.n, -1, *s.shape[4:]),
+            stats)
+        return y, stats
+
+    def _ticks(self, stack: Stack, xm, blocks, axis, per_stage):
+        """One stage's side of the schedule (inside ``shard_map``, manual over ``axis``):
+        (the last stage's outputs [M, b, ...] on every stage, this stage's stats
+        [1, M, L/S, b, ...])."""
+        m, s_count = self.microbatches, self.stages
+        stage = jax.lax.axis_index(axis)
+        local = stack._replace(state=_one_stage(stack.state, blocks), start=0, n=per_stage)
+        to_right = [(i, i + 1) for i in range(s_count - 1)]
+        varying = lambda a: jax.lax.pcast(a, tuple(axis), to="varying")
+
+        def run_stage(x):
+            return self.inner(local, x)
+
+        # Varying from here: the input's gradient is summed over the stages once, not
+        # at every tick.
+        xm = varying(xm)
+        _, stats_shape = jax.eval_shape(run_stage, xm[0])
+        outs = jnp.zeros_like(xm)
+        stats = jax.tree.map(lambda a: varying(jnp.zeros((m, *a.shape), a.dtype)), stats_shape)
+
+        def tick(carry, t):
+            received, outs, stats = carry
+            mine = t - stage                      # the microbatch this stage runs now
+            valid = (mine >= 0) & (mine < m)
+            slot = jnp.clip(mine, 0, m - 1)
+            first = jax.lax.dynamic_index_in_dim(xm, jnp.minimum(t, m - 1), keepdims=False)
+            y, st = run_stage(jnp.where(stage == 0, first, received))
+            keep = lambda buf, new: jax.lax.dynamic_update_index_in_dim(
+                buf, jnp.where(valid, new, jax.lax.dynamic_index_in_dim(buf, slot, 0, False)),
+                slot, 0)
+            outs = keep(outs, y)
+            stats = jax.tree.map(keep, stats, st)
+            return (jax.lax.ppermute(y, tuple(axis), to_right), outs, stats), None
+
+        start = (jnp.zeros_like(xm[0]), outs, stats)
+        (_, outs, stats), _ = jax.lax.scan(tick, start, jnp.arange(m + s_count - 1))
+        last = jax.lax.psum(jnp.where(stage == s_count - 1, outs, 0), tuple(axis))
+        return last, jax.tree.map(lambda a: a[None], stats)
+
+
+def _one_stage(state, blocks):
+    """The stack's state with one stage's weights ``blocks`` ([L/S, ...] each), its
+    variables named as an [L, ...] stack."""
+    is_var = lambda v: isinstance(v, nnx.Variable)
+    variables = jax.tree.leaves(state, is_leaf=is_var)
+    return jax.tree.structure(state, is_leaf=is_var).unflatten(
+        [v.replace(b, out_sharding=logical_axes_of(v)[1:]) for v, b in zip(variables, blocks)])

@@ -1,0 +1,174 @@
+"""Pipeline stages: a stage-split model trains exactly like one device, its train step
+runs the GPipe ticks and passes activations between stages by collective-permutes,
+its optimizer step communicates nothing across stages, and what it does not support
+yet is refused in one line."""
+
+import dataclasses
+import json
+
+import chex
+import jax
+import numpy as np
+import pytest
+
+import helpers
+from cli_runs import SMALL, main
+from jmegatron.models import GPTConfig, MoEConfig, qk_clipper
+from jmegatron.models.gpt import ungroup
+from jmegatron.sharding import MeshConfig, hlo_collectives, make_mesh
+from jmegatron.sharding.layouts import make_layout
+from jmegatron.sharding.pipeline import PipelineRunner, bubble
+from jmegatron.train import (AdamWConfig, ScheduleConfig, TrainConfig, make_loss_fn,
+                             make_train_step)
+
+MODEL = GPTConfig(vocab_size=300, d_model=32, n_layers=4, n_heads=4, n_kv_heads=2,
+                  d_ff=64).pad_vocab(2)
+PADDED = dataclasses.replace(MODEL, n_layers=5)   # 4 stages of 2 slots: 3 padding layers
+# AdamW's eps=1e-4 as in test_layouts: a near-zero gradient (a rare token's embedding
+# row) summed in another order may change sign, and eps=1e-8 would turn that into a
+# whole step.
+TRAIN = TrainConfig(lr=1e-2, steps=3, grad_clip=0.0, schedule=ScheduleConfig(warmup_steps=0),
+                    adamw=AdamWConfig(eps=1e-4))
+B, T, QK_TAU = 16, 16, 0.1   # 4 microbatches of 4 rows: one per data x fsdp rank
+
+
+def batches():
+    return [jax.random.randint(jax.random.key(i), (B, T + 1), 0, MODEL.vocab_size)
+            for i in range(3)]
+
+
+def setup(mesh, layout_name, model, train, microbatches):
+    layout, optimizer, graphdef, state = helpers.build(mesh, layout_name, model, train)
+    cfg = dataclasses.replace(model, **layout.stack_fields)
+    loss_fn = make_loss_fn(graphdef, cfg, mesh, layout, microbatches=microbatches)
+    step = make_train_step(loss_fn, optimizer, 1, mesh, layout.rules, qk_clipper(cfg, QK_TAU))
+    return layout, optimizer, state, step
+
+
+def three_steps(mesh_config, layout_name="fsdp", model=MODEL, train=TRAIN, microbatches=4,
+                devices=8, keep=False):
+    """Params after three steps with QK-clip, as [L, ...] stacks (``keep``: as stored)."""
+    mesh = make_mesh(mesh_config, jax.devices()[:devices])
+    _, _, state, step = setup(mesh, layout_name, model, train, microbatches)
+    for tokens in batches():
+        state, _ = step(state, tokens)
+    return state.params if keep else ungroup(state.params)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return three_steps(MeshConfig(fsdp=1), devices=1, microbatches=1)
+
+
+@pytest.mark.parametrize("mesh_config, layout", [
+    (MeshConfig(stage=2, data=2, fsdp=2), "fsdp"),
+    (MeshConfig(stage=2, fsdp=2, tensor=2), "fsdp"),
+    (MeshConfig(stage=4, data=2, fsdp=1), "replicated"),
+], ids=["stage2_data2_fsdp2", "stage2_fsdp2_tensor2", "stage4_data2_replicated"])
+def test_three_steps_equal_one_device(mesh_config, layout, reference):
+    chex.assert_trees_all_close(three_steps(mesh_config, layout), reference,
+                                rtol=1e-5, atol=1e-6)
+
+
+def test_padded_stages_equal_one_device():
+    """5 layers on 4 stages of 2 slots: 3 zero padding layers, which stay zero."""
+    want = three_steps(MeshConfig(fsdp=1), model=PADDED, devices=1, microbatches=1)
+    got = three_steps(MeshConfig(stage=4, fsdp=2), model=PADDED, microbatches=4, keep=True)
+    chex.assert_trees_all_close(ungroup(got), want, rtol=1e-5, atol=1e-6)
+    for leaf in jax.tree.leaves(got["blocks"]):   # slots 5, 6, 7: stage 2's second, stage 3
+        assert leaf.shape[:2] == (4, 2)
+        assert not np.any(np.asarray(leaf[2, 1])) and not np.any(np.asarray(leaf[3]))
+
+
+def optimizer_report(mesh, train, state=None):
+    """The collectives of one optimizer step (on ``state``'s params, or new ones)."""
+    _, optimizer, _, new_state = helpers.build(mesh, "fsdp", MODEL, train)
+    state = state or new_state
+    opt = jax.jit(helpers.optimizer_step(optimizer.tx))
+    return hlo_collectives(opt, state.params, state.opt_state, helpers.grads_of(state.params, 0))
+
+
+@pytest.fixture(scope="module")
+def stage2_programs():
+    """The train step and the Muon and SOAP optimizer steps of stage 2 x data 2 x fsdp 2,
+    4 microbatches."""
+    mesh = make_mesh(MeshConfig(stage=2, data=2, fsdp=2))
+    layout, optimizer, state, step = setup(mesh, "fsdp", MODEL, TRAIN, 4)
+    tokens = jax.device_put(batches()[0])
+    return (hlo_collectives(step, state, tokens), optimizer_report(mesh, TRAIN, state),
+            optimizer_report(mesh, dataclasses.replace(TRAIN, optim="soap")))
+
+
+def test_activations_cross_stages_by_permutes_on_every_tick(stage2_programs):
+    """GPipe over S=2 stages and M=4 microbatches: M + S - 1 = 5 ticks per pass, each
+    sending one microbatch's activations [B/M/(data*fsdp), T, D] to the next stage.
+    The pipeline's input gradient and its output cross the stage axis once each (one
+    all-reduce of all M microbatches' activations); nothing else crosses it inside the
+    tick loops (no weight and no weight gradient moves between stages). Outside the
+    pipeline XLA may split the replicated embedding, head and loss over the idle stage
+    axis (docs/parallelism.md): those collectives run once per step."""
+    train, *_ = stage2_programs
+    ticks, rows, d = 4 + 2 - 1, B // 4 // 4, MODEL.d_model
+    crossing = [c for c in train.collectives if c.axes is None or "stage" in c.axes]
+    permutes = [c for c in crossing if c.kind == "collective-permute" and c.axes == ("stage",)]
+    assert permutes and all(c.shape.startswith(f"f32[{rows},{T},{d}]") for c in permutes), \
+        [c.shape for c in permutes]
+    assert sum(c.executions for c in permutes) == 2 * ticks   # forward and backward
+    looped = [c for c in crossing if c.executions > 1]
+    assert looped == permutes, [(c.kind, c.shape, c.axes) for c in looped]
+    whole = f"f32[4,{rows},{T},{d}]"
+    assert sum(c.kind == "all-reduce" and c.shape.lstrip("(").startswith(whole)
+               for c in crossing) == 2, [(c.kind, c.shape) for c in crossing]
+
+
+def test_the_optimizer_step_sends_nothing_across_stages(stage2_programs):
+    """Each stage's matrices and their Muon or SOAP state live on that stage."""
+    for opt in stage2_programs[1:]:
+        assert opt.collectives, "the fsdp layout gathers the matrices over fsdp"
+        assert not [c for c in opt.collectives if c.axes is None or "stage" in c.axes], \
+            opt.table()
+
+
+def test_the_bubble_is_the_gpipe_formula():
+    assert bubble(4, 4) == pytest.approx(3 / 7) and bubble(2, 8) == pytest.approx(1 / 9)
+
+
+@pytest.mark.parametrize("make, words", [
+    (lambda: dataclasses.replace(MODEL, stages=5), "5 pipeline stages for 4 layers"),
+    (lambda: PipelineRunner(stages=4, microbatches=2), "2 microbatches for 4 pipeline stages"),
+    (lambda: make_layout("owner", {"stage": 2, "fsdp": 4}), "the owner layout with pipeline"),
+    (lambda: make_layout("layerwise", {"stage": 2, "data": 4}), "the layerwise layout with"),
+    (lambda: GPTConfig(n_layers=4, stages=2, moe=MoEConfig(n_experts=4)),
+     "pipeline stages (2) with MoE layers"),
+], ids=["more_stages_than_layers", "fewer_microbatches", "owner", "layerwise", "moe"])
+def test_unsupported_settings_are_refused_in_one_line(make, words):
+    with pytest.raises(Exception, match=None) as err:
+        make()
+    message = str(err.value)
+    assert words in message and "\n" not in message, message
+
+
+def losses(run_dir) -> dict:
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in records if "loss" in r}
+
+
+def test_the_cli_trains_a_pipeline_and_resumes_it_exactly(tmp_path, capsys):
+    args = [*SMALL, "--mesh.stage", "2", "--mesh.data", "2", "--mesh.fsdp", "2",
+            "--mesh.tensor", "1", "--microbatches", "2", "--steps", "4", "--out-dir",
+            str(tmp_path)]
+    assert main(*args, "--name", "straight") is None
+    assert ("pipeline: 2 stages of 1 layers, gpipe over 2 microbatches: 3 ticks per pass, "
+            "bubble (S-1)/(M+S-1) = 33.3%") in capsys.readouterr().out
+    assert main(*args, "--name", "halves", "--stop-after", "2") is None
+    assert main(*args, "--name", "halves", "--resume") is None
+    straight = losses(tmp_path / "straight")
+    assert len(straight) == 4 and straight == losses(tmp_path / "halves")
+
+
+def test_the_cli_refuses_fewer_microbatches_than_stages(tmp_path):
+    error = main(*SMALL, "--mesh.stage", "2", "--mesh.data", "1", "--mesh.fsdp", "4",
+                 "--mesh.tensor", "1", "--microbatches", "1", "--out-dir", str(tmp_path))
+    assert error == ("error: --mesh.stage 2 needs --microbatches >= 2 (got 1): every stage "
+                     "would idle"), error
+    assert not any(tmp_path.iterdir())
