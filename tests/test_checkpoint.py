@@ -70,6 +70,7 @@ CASES = {   # name: (source mesh, layout, devices), (target mesh, layout, device
     "stage_1_to_4": ((D8, "fsdp", 8), (S4, "replicated", 8)),
     "soap_stage_4_to_owner": ((S4, "fsdp", 8), (L8, "owner", 8), "soap"),
     "soap_layerwise_to_stage_2": ((L8, "layerwise", 8), (S2, "fsdp", 8), "soap"),
+    "soap_owner_stage_2_to_owner_stage_4": ((S2, "owner", 8), (S4, "owner", 8), "soap"),
 }
 
 

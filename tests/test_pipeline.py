@@ -16,7 +16,6 @@ from cli_runs import SMALL, main
 from jmegatron.models import GPTConfig, MoEConfig, qk_clipper
 from jmegatron.models.gpt import ungroup
 from jmegatron.sharding import MeshConfig, hlo_collectives, make_mesh
-from jmegatron.sharding.layouts import make_layout
 from jmegatron.sharding.pipeline import PipelineRunner, bubble
 from jmegatron.train import (AdamWConfig, ScheduleConfig, TrainConfig, make_loss_fn,
                              make_train_step)
@@ -64,15 +63,26 @@ def reference():
     (MeshConfig(stage=2, data=2, fsdp=2), "fsdp"),
     (MeshConfig(stage=2, fsdp=2, tensor=2), "fsdp"),
     (MeshConfig(stage=4, data=2, fsdp=1), "replicated"),
-], ids=["stage2_data2_fsdp2", "stage2_fsdp2_tensor2", "stage4_data2_replicated"])
+    (MeshConfig(stage=2, fsdp=4), "owner"),
+    (MeshConfig(stage=2, fsdp=2, tensor=2), "owner"),
+    (MeshConfig(stage=2, data=2, fsdp=2), "layerwise"),
+    (MeshConfig(stage=2, fsdp=2, tensor=2), "layerwise"),
+], ids=["stage2_data2_fsdp2", "stage2_fsdp2_tensor2", "stage4_data2_replicated",
+        "stage2_fsdp4_owner", "stage2_fsdp2_tensor2_owner", "stage2_data2_fsdp2_layerwise",
+        "stage2_fsdp2_tensor2_layerwise"])
 def test_three_steps_equal_one_device(mesh_config, layout, reference):
     chex.assert_trees_all_close(three_steps(mesh_config, layout), reference,
                                 rtol=1e-5, atol=1e-6)
 
 
-def test_padded_stages_equal_one_device():
+@pytest.fixture(scope="module")
+def padded_reference():
+    return three_steps(MeshConfig(fsdp=1), model=PADDED, devices=1, microbatches=1)
+
+
+def test_padded_stages_equal_one_device(padded_reference):
     """5 layers on 4 stages of 2 slots: 3 zero padding layers, which stay zero."""
-    want = three_steps(MeshConfig(fsdp=1), model=PADDED, devices=1, microbatches=1)
+    want = padded_reference
     got = three_steps(MeshConfig(stage=4, fsdp=2), model=PADDED, microbatches=4, keep=True)
     chex.assert_trees_all_close(ungroup(got), want, rtol=1e-5, atol=1e-6)
     for leaf in jax.tree.leaves(got["blocks"]):   # slots 5, 6, 7: stage 2's second, stage 3
@@ -80,9 +90,9 @@ def test_padded_stages_equal_one_device():
         assert not np.any(np.asarray(leaf[2, 1])) and not np.any(np.asarray(leaf[3]))
 
 
-def optimizer_report(mesh, train, state=None):
+def optimizer_report(mesh, train, state=None, layout="fsdp"):
     """The collectives of one optimizer step (on ``state``'s params, or new ones)."""
-    _, optimizer, _, new_state = helpers.build(mesh, "fsdp", MODEL, train)
+    _, optimizer, _, new_state = helpers.build(mesh, layout, MODEL, train)
     state = state or new_state
     opt = jax.jit(helpers.optimizer_step(optimizer.tx))
     return hlo_collectives(opt, state.params, state.opt_state, helpers.grads_of(state.params, 0))
@@ -129,6 +139,34 @@ def test_the_optimizer_step_sends_nothing_across_stages(stage2_programs):
             opt.table()
 
 
+@pytest.mark.parametrize("layout, mesh_config", [
+    ("owner", MeshConfig(stage=2, fsdp=4)), ("layerwise", MeshConfig(stage=2, data=2, fsdp=2))])
+def test_padded_owner_and_layerwise_stages_equal_one_device(layout, mesh_config,
+                                                            padded_reference):
+    """Stages of 3 layers (the last 2) in owner groups of 4 (each stage padded on
+    its own); stages whose 3 layers layerwise deals round-robin over 4 owners."""
+    chex.assert_trees_all_close(three_steps(mesh_config, layout, model=PADDED),
+                                padded_reference, rtol=1e-5, atol=1e-6)
+
+
+def test_layerwise_stages_move_matrices_only_within_a_stage():
+    """Layerwise: the updated matrices return from their owners within each stage's
+    data x fsdp group; nothing crosses the stage axis."""
+    report = optimizer_report(make_mesh(MeshConfig(stage=2, data=2, fsdp=2)), TRAIN,
+                              layout="layerwise")
+    assert report.collectives and all(c.axes is not None and set(c.axes) <= {"data", "fsdp"}
+                                      for c in report.collectives), report.table()
+
+
+@pytest.mark.parametrize("optim", ["muon", "soap"])
+def test_owner_stages_optimizer_step_has_no_collective(optim):
+    """Under owner each stage's matrices are whole on the ranks of that stage's own
+    fsdp group: Muon's and SOAP's step communicate nothing at all."""
+    mesh = make_mesh(MeshConfig(stage=2, fsdp=4))
+    report = optimizer_report(mesh, dataclasses.replace(TRAIN, optim=optim), layout="owner")
+    assert report.collectives == (), report.table()
+
+
 def test_the_bubble_is_the_gpipe_formula():
     assert bubble(4, 4) == pytest.approx(3 / 7) and bubble(2, 8) == pytest.approx(1 / 9)
 
@@ -136,11 +174,9 @@ def test_the_bubble_is_the_gpipe_formula():
 @pytest.mark.parametrize("make, words", [
     (lambda: dataclasses.replace(MODEL, stages=5), "5 pipeline stages for 4 layers"),
     (lambda: PipelineRunner(stages=4, microbatches=2), "2 microbatches for 4 pipeline stages"),
-    (lambda: make_layout("owner", {"stage": 2, "fsdp": 4}), "the owner layout with pipeline"),
-    (lambda: make_layout("layerwise", {"stage": 2, "data": 4}), "the layerwise layout with"),
     (lambda: GPTConfig(n_layers=4, stages=2, moe=MoEConfig(n_experts=4)),
      "pipeline stages (2) with MoE layers"),
-], ids=["more_stages_than_layers", "fewer_microbatches", "owner", "layerwise", "moe"])
+], ids=["more_stages_than_layers", "fewer_microbatches", "moe"])
 def test_unsupported_settings_are_refused_in_one_line(make, words):
     with pytest.raises(Exception, match=None) as err:
         make()

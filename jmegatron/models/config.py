@@ -196,9 +196,6 @@ class GPTConfig:
         _require(self.stages <= self.n_layers,
                  f"{self.stages} pipeline stages for {self.n_layers} layers: use at most one "
                  "stage per layer")
-        _require(self.stages == 1 or self.layer_group == 1,
-                 f"pipeline stages ({self.stages}) with the owner layout's layer groups "
-                 f"({self.layer_group}) are not supported yet: use the fsdp or replicated layout")
         _require(self.stages == 1 or not self.moe.n_experts,
                  f"pipeline stages ({self.stages}) with MoE layers are not supported yet")
         _require(not self.moe.n_experts or any(self.moe_layers),

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import itertools
-import math
 from typing import NamedTuple
 
 import jax
@@ -16,6 +15,7 @@ from jmegatron.models.moe import STATS, MoEBlock
 from jmegatron.sharding import rules as ax
 from jmegatron.sharding.rules import constrain, logical_axes_of
 from jmegatron.sharding.runners import Stack, active_runner, default_runner
+from jmegatron.sharding.stacks import StackShape, stack_shape
 
 _REMAT = {
     "full": jax.checkpoint_policies.nothing_saveable,
@@ -125,7 +125,7 @@ class GPT(nnx.Module):
         dtypes = tuple(jnp.float32 if ax.NORM in logical_axes_of(v) else cfg.dtype
                        for v in jax.tree.leaves(state, is_leaf=_is_variable))
         runner = active_runner() or default_runner(cfg.layer_group, cfg.prefetch,
-                                                   cfg.keep_gathered)
+                                                   cfg.keep_gathered, cfg.stages)
         return runner(Stack(one_layer, state, start, n, STATS if moe else (), dtypes,
                             self_sharded=moe), x)
 
@@ -145,30 +145,34 @@ def zero_padding(var: nnx.Param, vocab_size: int, axis: int) -> None:
 
 
 def split_stack(blocks: nnx.Module, cfg: GPTConfig) -> None:
-    """Splits the stack of ``blocks`` as the layout runs it: into ``cfg.stages``
-    pipeline stages [S, ceil(L / S), ...], or into owner groups [G, g, ...] of
-    ``cfg.layer_group`` layers; [L, ...] stays for neither."""
+    """Stacks the weights of ``blocks`` as the layout runs them (``sharding.stacks``):
+    in ``cfg.stages`` pipeline stages, in owner groups of ``cfg.layer_group``, both,
+    or [L, ...] for neither."""
     layers = jax.tree.leaves(nnx.state(blocks))[0].shape[0]
+    dims, outer = [], []
     if cfg.stages > 1:
-        stack_layers(blocks, (cfg.stages, -(-layers // cfg.stages)), ax.STAGES)
-    elif cfg.layer_group > 1:
-        stack_layers(blocks, (-(-layers // cfg.layer_group), cfg.layer_group), ax.LAYER_GROUPS)
+        dims, outer = [cfg.stages], [ax.STAGES]
+    per_stage = -(-layers // cfg.stages)
+    if cfg.layer_group > 1:
+        dims, outer = dims + [-(-per_stage // cfg.layer_group)], outer + [ax.LAYER_GROUPS]
+    if dims:
+        last = cfg.layer_group if cfg.layer_group > 1 else per_stage
+        stack_layers(blocks, StackShape(layers, (*dims, last), cfg.stages > 1), tuple(outer))
 
 
-def stack_layers(blocks: nnx.Module, stack: tuple[int, int], outer: str) -> None:
-    """Reshapes every stacked [L, ...] weight of ``blocks`` to [*stack, ...] in place
-    (layers in order, the outer dim named ``outer``), padding the end with zero
-    layers: the same values, so a canonical checkpoint is a reshape and a slice
-    away. The runners skip padding in a last owner group; a pipeline stage runs
-    its padding layers, which zero weights make the identity with zero gradients
-    (every projection is zero: attention and MLP add nothing, and nothing flows
-    back into them)."""
+def stack_layers(blocks: nnx.Module, stack: StackShape, outer: tuple[str, ...]) -> None:
+    """Reshapes every stacked [L, ...] weight of ``blocks`` to [*stack.dims, ...] in
+    place (the outer dims named ``outer``), with zero padding layers: the same
+    values, so a canonical checkpoint is a reshape and a slice away. The owner
+    runner skips padding in a last group; a pipeline stage runs its padding
+    layers, which zero weights make the identity with zero gradients (every
+    projection is zero: attention and MLP add nothing, and nothing flows back
+    into them)."""
     for _, var in nnx.iter_graph(blocks):
         if isinstance(var, nnx.Variable):
-            value, layers = var[...], var.shape[0]
-            value = jnp.pad(value, [(0, math.prod(stack) - layers)] + [(0, 0)] * (value.ndim - 1))
-            var.set_value(value.reshape(*stack, *value.shape[1:]))
-            var.set_metadata(out_sharding=(outer, *logical_axes_of(var)), real_layers=layers)
+            var.set_value(stack.to_live(var[...]))
+            var.set_metadata(out_sharding=(*outer, *logical_axes_of(var)),
+                             real_layers=stack.layers)
 
 
 def real_layers(var) -> int | None:
@@ -191,8 +195,9 @@ def ungroup(params: nnx.State) -> nnx.State:
         layers = real_layers(v)
         if layers is None:
             return v
-        out = v.replace(v[...].reshape(-1, *v.shape[2:])[:layers],
-                        out_sharding=logical_axes_of(v)[1:])
+        stack = stack_shape(logical_axes_of(v), v.shape, layers)
+        out = v.replace(stack.to_canonical(v[...]),
+                        out_sharding=logical_axes_of(v)[len(stack.dims) - 1:])
         out.del_metadata("real_layers")
         return out
     return jax.tree.map(flat, params, is_leaf=_is_variable)

@@ -47,7 +47,8 @@ from jmegatron.models.gpt import GPT, real_layers
 from jmegatron.models.safetensors_file import (INDEX, HFError, Tensors, model_file,  # noqa: F401
                                                read_json, tensor_names)
 from jmegatron.models.sharded import state_shardings
-from jmegatron.sharding.rules import DEFAULT_RULES, VOCAB, Rules, split_size
+from jmegatron.sharding.rules import DEFAULT_RULES, VOCAB, Rules, logical_axes_of, split_size
+from jmegatron.sharding.stacks import stack_shape
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
                  "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
@@ -313,6 +314,7 @@ def _reader(key: str, var, t: Tensors, cfg: GPTConfig):
     moe = stack == "moe_blocks"
     layers = [i for i, m in enumerate(cfg.moe_layers) if m == moe]   # stack slot -> HF layer
     grouped = real_layers(var) is not None
+    stack_of = stack_shape(logical_axes_of(var), var.shape, real_layers(var)) if grouped else None
 
     def one_layer(slot: int, rest: tuple) -> np.ndarray:
         p = f"model.layers.{layers[slot]}."
@@ -329,13 +331,11 @@ def _reader(key: str, var, t: Tensors, cfg: GPTConfig):
         if not grouped:
             slots = range(*index[0].indices(len(layers)))
             return np.stack([one_layer(s, index[1:]) for s in slots])
-        g = var.shape[1]
-        groups, members = range(*index[0].indices(var.shape[0])), range(*index[1].indices(g))
-        rest = index[2:]
-        padding = np.broadcast_to(np.float32(0), var.shape[2:])[rest]   # the skipped slots
-        blocks = [[one_layer(G * g + j, rest) if G * g + j < len(layers) else padding
-                   for j in members] for G in groups]
-        return np.stack([np.stack(b) for b in blocks])
+        depth = len(stack_of.dims)
+        held, rest = stack_of.layer_at()[index[:depth]], index[depth:]
+        padding = np.broadcast_to(np.float32(0), var.shape[depth:])[rest]   # the skipped slots
+        blocks = [one_layer(s, rest) if s >= 0 else padding for s in held.reshape(-1)]
+        return np.stack(blocks).reshape(*held.shape, *padding.shape)
     return stacked_block
 
 
@@ -421,7 +421,8 @@ def _hf_tensors(leaves: dict, cfg: GPTConfig):
             var = leaves[f"{stack}.{leaf}"]
             if real_layers(var) is None:
                 return host(var[...][slot])
-            return host(var[...][slot // var.shape[1], slot % var.shape[1]])
+            where = stack_shape(logical_axes_of(var), var.shape, real_layers(var)).slot_of(slot)
+            return host(var[...][where])
 
         p = f"model.layers.{i}."
         yield p + "input_layernorm.weight", layer("attn_norm")

@@ -10,7 +10,6 @@ every leaf of params and optimizer state its codec.
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import jax
 import jax.numpy as jnp
@@ -19,15 +18,14 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jmegatron.optim.placement import Placement
 from jmegatron.sharding.rules import spec_axes
+from jmegatron.sharding.stacks import StackShape
 
 
 @dataclasses.dataclass(frozen=True)
 class LeafCodec:
     """How one live leaf maps to its canonical form (the default: unchanged)."""
 
-    layers: int = 0                     # a stack [*stack, ...] <-> [L, ...]: L (0: [L, ...])
-    stack: tuple[int, ...] = ()         # its live stack dims, filled in order, padded at the
-                                        # end: (G, g) owner groups, (S, L/S) pipeline stages
+    stack: StackShape | None = None     # a live stack [*dims, ...] <-> [L, ...] (None: [L, ...])
     vocab_dim: int | None = None        # padded vocabulary <-> the real one
     vocab: tuple[int, int] = (0, 0)     # (real, padded) vocabulary sizes
     placement: Placement | None = None  # layerwise matrix-optimizer state: the stack padded
@@ -35,8 +33,8 @@ class LeafCodec:
     def encode(self, x: jax.Array) -> jax.Array:
         if self.placement is not None:
             x = self.placement.unpad(x)
-        if self.layers:
-            x = x.reshape(-1, *x.shape[len(self.stack):])[:self.layers]
+        if self.stack is not None:
+            x = self.stack.to_canonical(x)
         if self.vocab_dim is not None:
             x = jax.lax.slice_in_dim(x, 0, self.vocab[0], axis=self.vocab_dim)
         return x
@@ -46,10 +44,8 @@ class LeafCodec:
             widths = [(0, 0)] * x.ndim
             widths[self.vocab_dim] = (0, self.vocab[1] - self.vocab[0])
             x = jnp.pad(x, widths)
-        if self.layers:
-            slots = math.prod(self.stack)
-            x = jnp.pad(x, [(0, slots - self.layers)] + [(0, 0)] * (x.ndim - 1))
-            x = x.reshape(*self.stack, *x.shape[1:])
+        if self.stack is not None:
+            x = self.stack.to_live(x)
         if self.placement is not None:
             x = self.placement.pad(x)
         return x
@@ -61,9 +57,9 @@ def canonical_sharding(sharding: jax.sharding.Sharding, codec: LeafCodec,
     merged for ungrouped layers, dropped where the canonical size does not divide."""
     if not isinstance(sharding, NamedSharding):
         return sharding
-    depth = len(codec.stack) if codec.layers else 1
+    depth = 1 if codec.stack is None else len(codec.stack.dims)
     spec = list(sharding.spec) + [None] * (len(shape) + depth - 1 - len(sharding.spec))
-    if codec.layers:
+    if depth > 1:
         spec = [sum((spec_axes(e) for e in spec[:depth]), ()) or None] + spec[depth:]
     mesh = sharding.mesh
     size = lambda entry: int(np.prod([mesh.shape[a] for a in spec_axes(entry)]))

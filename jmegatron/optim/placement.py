@@ -33,6 +33,7 @@ from jmegatron.optim.owners import assign, load_report, ns_cost, rank_loads, sta
 from jmegatron.optim.routing import MATRIX, LeafRoute, batch_axes
 from jmegatron.sharding.layouts import Layout
 from jmegatron.sharding.rules import LAYER_GROUPS
+from jmegatron.sharding.stacks import stack_shape
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,6 +49,8 @@ class Placement:
     owners: int               # ranks the state's stack is split over (layerwise)
     offset: int = 0           # matrices of earlier stacks, mod owners (layerwise)
     grouped: bool = False     # stacked [L/g, g, ...] (owner layout)
+    leads: bool = True        # the stack axis is the first of the matrices' stacking axes
+                              # (not under pipeline stages, which come first)
 
     @property
     def dealt(self) -> bool:
@@ -86,9 +89,13 @@ class Placement:
         rows = jnp.roll(rows, self.offset, axis=a + 1)            # slot (i // n, (offset + i) % n)
         return jnp.swapaxes(rows, a, a + 1).reshape(x.shape)       # rank-major
 
-    def real_slots(self) -> np.ndarray:
+    def real_slots(self) -> np.ndarray | None:
         """Which entries of the padded stack (in ``pad``'s rank-major order) hold a
-        matrix: all but at most each rank's last slot."""
+        matrix: all but at most each rank's last slot. None where the stack axis does
+        not lead (pipeline stages come first): then the padding is computed (zeros
+        give zeros)."""
+        if not self.leads:
+            return None
         n, rows = self.owners, self.padded // self.owners
         rank, slot = np.divmod(np.arange(self.padded), rows)
         return slot * n + (rank - self.offset) % n < self.length
@@ -109,13 +116,13 @@ def place(leaf: LeafRoute, layout: Layout) -> Placement:
     layout.check_matrix(leaf.path, logical)
     batch = batch_axes(leaf.route.spec, len(leaf.shape))
     state = _full(layout.state_spec(logical, batch), len(leaf.shape))
-    stack_axis = batch[0] if batch else None
+    stack_axis = layout.stack_dim(logical, batch)
     length = leaf.shape[stack_axis] if batch else 1
-    owners = layout.stack_owners(state, batch[0]) if batch else 1
+    owners = layout.stack_owners(state, stack_axis) if batch else 1
     padded = -(-length // owners) * owners
     return Placement(_full(layout.param_spec(logical), len(leaf.shape)), state,
                      tuple(state[a] for a in batch), stack_axis, length, padded, owners, 0,
-                     logical[0] == LAYER_GROUPS)
+                     LAYER_GROUPS in logical[:2], not batch or stack_axis == batch[0])
 
 
 def place_all(leaves: list[LeafRoute], layout: Layout) -> list[Placement | None]:
@@ -151,11 +158,14 @@ def ownership_report(leaves: list[LeafRoute], layout: Layout,
         if where is None:
             continue
         per_stack = _matrix_cost(leaf)
-        if where.grouped:   # [G, g, ...]: layer l on rank l mod g, the last group padded
-            real = (layers(leaf.path) if layers else None) or where.length * n
-            costs += [per_stack / (where.length * n)] * real
-            owner += [i % n for i in range(real)]
-            padding += where.length * n - real
+        if where.grouped:   # [(S,) G, g, ...]: group slot j on rank j, padding skipped
+            dims = stack_shape(leaf.logical, leaf.shape, 0).dims
+            real = layers(leaf.path) if layers else None
+            mask = (stack_shape(leaf.logical, leaf.shape, real).real() if real
+                    else np.ones(dims, bool))
+            costs += [per_stack / mask.size] * int(mask.sum())
+            owner += list(np.nonzero(mask)[-1])
+            padding += int(mask.size - mask.sum())
             spmd += per_stack / n
             continue
         # Slot i on owner (offset + i) mod owners; a stack whose matrices are already

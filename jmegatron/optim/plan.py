@@ -34,6 +34,7 @@ from jmegatron.optim.routing import (ADAMW, MATRIX, LeafRoute, Route, Routing, d
 from jmegatron.sharding import rules as ax
 from jmegatron.sharding.layouts import Layout, make_layout
 from jmegatron.sharding.rules import DEFAULT_RULES, Rules
+from jmegatron.sharding.stacks import stack_shape
 
 HELD, BLOCKS = "held", "blocks"
 _STATE_FORMS: dict[type, dict[str, str]] = {}
@@ -112,8 +113,7 @@ class LeafPlan:
     def blocks_codec(self) -> LeafCodec:
         if self.placement is None:
             return LeafCodec()
-        return LeafCodec(self.codec.layers, self.codec.stack,
-                         placement=self.placement.for_blocks())
+        return LeafCodec(self.codec.stack, placement=self.placement.for_blocks())
 
     def as_route(self) -> LeafRoute:
         return LeafRoute(self.path, self.shape, self.logical, self.route)
@@ -259,7 +259,8 @@ class ShardingPlan:
 
     def ownership(self) -> str:
         leaves = [leaf.as_route() for leaf in self.leaves if leaf.route]
-        layers = {leaf.path: leaf.codec.layers for leaf in self.leaves if leaf.codec.layers}
+        layers = {leaf.path: leaf.codec.stack.layers for leaf in self.leaves
+                  if leaf.codec.stack is not None}
         return ownership_report(leaves, self.layout, layers.get)
 
 
@@ -325,7 +326,7 @@ def _codec(node, leaf: LeafRoute) -> LeafCodec:
     (the model's ``real_layers``) and a padded vocabulary (``real_vocab``)."""
     meta = node.get_metadata() if _is_variable(node) else {}
     layers, vocab = meta.get("real_layers", 0), meta.get("real_vocab")
-    grouped = dict(layers=layers, stack=tuple(leaf.shape[:2])) if layers else {}
+    grouped = dict(stack=stack_shape(leaf.logical, leaf.shape, layers)) if layers else {}
     if vocab is None:
         return LeafCodec(**grouped)
     dim = leaf.logical.index(ax.VOCAB)

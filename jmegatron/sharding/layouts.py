@@ -56,7 +56,6 @@ class Layout:
     (``jmegatron.optim.plan``) asks it and nothing else compares layout names."""
 
     name: ClassVar[str]
-    pipelines: ClassVar[bool] = True    # composes with pipeline stages (the stage axis)
     rules: Rules                        # params and activations
     owner_axes: tuple[str, ...] = ()    # mesh axes a matrix stack is split over for its state
     owner_sizes: tuple[int, ...] = ()   # their sizes
@@ -101,6 +100,13 @@ class Layout:
         stacking its matrices): the param's."""
         return self.param_spec(logical)
 
+    def stack_dim(self, logical: tuple, batch_dims: tuple[int, ...]) -> int | None:
+        """The dim of a matrix stack that owners share out (None: no stack): the first
+        of ``batch_dims``, or after the pipeline stages' dim."""
+        if not batch_dims:
+            return None
+        return batch_dims[1] if logical[batch_dims[0]] == STAGES else batch_dims[0]
+
     def stack_owners(self, state: P, stack_dim: int) -> int:
         """Ranks a stack's matrices are shared out over in ``state``, each holding whole
         matrices of its own and the stack padded to a multiple of them (1: none)."""
@@ -120,7 +126,6 @@ class FSDP(Layout):
 
 class Layerwise(Layout):
     name = "layerwise"
-    pipelines = False
 
     def stage_runner(self, prefetch: bool, keep_gathered: bool) -> StackRunner:
         # The layers send their gradients to the owners (sharding.scatter).
@@ -136,10 +141,11 @@ class Layerwise(Layout):
         entries += [None] * (len(logical) - len(entries))
         taken = {a for e in entries for a in spec_axes(e)}
         free = tuple(a for a in self.owner_axes if a not in taken)
-        if spec_axes(entries[batch_dims[0]]):
+        dim = self.stack_dim(logical, batch_dims)
+        if spec_axes(entries[dim]):
             raise ValueError(f"the layerwise layout splits the stack dim of {logical} over "
-                             f"{free}, but it is already split over {entries[batch_dims[0]]}")
-        entries[batch_dims[0]] = free or None
+                             f"{free}, but it is already split over {entries[dim]}")
+        entries[dim] = free or None
         return P(*entries)
 
     def stack_owners(self, state: P, stack_dim: int) -> int:
@@ -150,7 +156,6 @@ class Layerwise(Layout):
 
 class Owner(Layout):
     name = "owner"
-    pipelines = False
 
     @property
     def layer_group(self) -> int:
@@ -161,7 +166,7 @@ class Owner(Layout):
             if self.layer_group > 1 else ScanRunner()
 
     def check_matrix(self, path: str, logical: tuple) -> None:
-        if self.owners > 1 and logical[0] != LAYER_GROUPS:
+        if self.owners > 1 and LAYER_GROUPS not in logical[:2]:
             raise ValueError(f"the owner layout needs block weights stacked [L/f, f, ...], but "
                              f"{path} has logical axes {logical}: build the model with "
                              f"GPTConfig(layer_group={self.layer_group})")
@@ -179,22 +184,18 @@ def make_layout(name: str, mesh_shape: Mapping[str, int], rules: Rules = DEFAULT
     live = lambda axes: tuple(a for a in axes if mesh_shape.get(a, 1) > 1)
     sizes = lambda axes: tuple(mesh_shape[a] for a in axes)
     stages = split_size(mesh_shape, rules, STAGES)
-    if stages > 1 and not _LAYOUTS[name].pipelines:
-        raise ValueError(f"the {name} layout with pipeline stages (stage={stages}) is not "
-                         f"supported yet: use {' or '.join(n for n, c in _LAYOUTS.items() if c.pipelines)}")
     replicated_params = with_rules(rules, embed=None)
     if name == "replicated":
         return Replicated(replicated_params, stages=stages)
     if name == "layerwise":   # the ranks that hold different data own the matrices
         owners = live(mesh_axes_of(BATCH, rules))
-        return Layerwise(replicated_params, owners, sizes(owners), assignment)
+        return Layerwise(replicated_params, owners, sizes(owners), assignment, stages)
     if name == "fsdp":
         return FSDP(rules, stages=stages)
     # The ZeRO-3 axes own whole matrices. The stack axis takes them; block weights'
     # embed axis then stays whole (a mesh axis splits an array once), while the
     # embedding and head keep their element-wise split.
     zero3 = mesh_axes_of(EMBED, rules)
-    return Owner(with_rules(rules, **{LAYERS: zero3 or None}), live(zero3), sizes(live(zero3)))
+    return Owner(with_rules(rules, **{LAYERS: zero3 or None}), live(zero3), sizes(live(zero3)),
+                 stages=stages)
 
-
-_LAYOUTS: dict[str, type[Layout]] = {c.name: c for c in (Replicated, Layerwise, FSDP, Owner)}

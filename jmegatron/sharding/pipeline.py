@@ -78,7 +78,7 @@ class PipelineRunner(StackRunner):
         # Microbatch k takes rows k, k + M, ...: each device's rows split evenly.
         xm = constrain(x.reshape(b, m, *x.shape[1:]).swapaxes(0, 1),
                        (None, BATCH, SEQ, ACT_EMBED))
-        per_stage = leaves[0].shape[1]
+        per_stage = -(-stack.n // self.stages)   # real layers of a full stage
 
         def body(xm, blocks):
             with activation_sharding(jax.sharding.get_abstract_mesh(), rules):
@@ -90,7 +90,7 @@ class PipelineRunner(StackRunner):
         # [S, M, L/S, b, ...] -> [L, B, ...], the stack's order, the batch's rows.
         stats = jax.tree.map(lambda s: s.swapaxes(1, 2).reshape(
             -1, m, b, *s.shape[4:])[:stack.n].swapaxes(1, 2).reshape(stack.n, -1, *s.shape[4:]),
-            stats)
+            stats)   # (each stage's stats cover its per_stage first slots, the real ones)
         return y, stats
 
     def _ticks(self, stack: Stack, xm, blocks, axis, per_stage):
@@ -99,7 +99,8 @@ class PipelineRunner(StackRunner):
         [1, M, L/S, b, ...])."""
         m, s_count = self.microbatches, self.stages
         stage = jax.lax.axis_index(axis)
-        local = stack._replace(state=_one_stage(stack.state, blocks), start=0, n=per_stage)
+        local = stack._replace(state=_one_stage(stack.state, blocks, per_stage), start=0,
+                               n=per_stage)
         to_right = [(i, i + 1) for i in range(s_count - 1)]
         varying = lambda a: jax.lax.pcast(a, tuple(axis), to="varying")
 
@@ -133,10 +134,11 @@ class PipelineRunner(StackRunner):
         return last, jax.tree.map(lambda a: a[None], stats)
 
 
-def _one_stage(state, blocks):
-    """The stack's state with one stage's weights ``blocks`` ([L/S, ...] each), its
-    variables named as an [L, ...] stack."""
+def _one_stage(state, blocks, layers: int):
+    """The stack's state with one stage's weights ``blocks`` (each [L/S, ...] or
+    [G, g, ...]) of ``layers`` real layers, its variables named as such a stack."""
     is_var = lambda v: isinstance(v, nnx.Variable)
     variables = jax.tree.leaves(state, is_leaf=is_var)
     return jax.tree.structure(state, is_leaf=is_var).unflatten(
-        [v.replace(b, out_sharding=logical_axes_of(v)[1:]) for v, b in zip(variables, blocks)])
+        [v.replace(b, out_sharding=logical_axes_of(v)[1:], real_layers=layers)
+         for v, b in zip(variables, blocks)])

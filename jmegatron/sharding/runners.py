@@ -34,13 +34,15 @@ from typing import Callable, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from jmegatron.sharding.prefetch import run_prefetched
-from jmegatron.sharding.rules import (LAYER_GROUPS, LAYERS, STAGES, active_mesh_and_rules,
+from jmegatron.sharding.rules import (LAYERS, active_mesh_and_rules,
                                      logical_axes_of, only_batch_axes_live, run_constrained,
                                      run_gathered)
 from jmegatron.sharding.scatter import run_stack
+from jmegatron.sharding.stacks import StackShape, stack_shape
 
 # One layer: (x, its weights' state) -> (x, stats per example [B, ...]).
 LayerFn = Callable[[jax.Array, nnx.State], tuple[jax.Array, dict]]
@@ -62,15 +64,25 @@ class Stack(NamedTuple):
         return jax.tree.leaves(self.state)
 
     @property
-    def outer_axis(self) -> str | None:
-        """The logical axis of the stack's first dim (layer groups, stages or layers)."""
+    def shape(self) -> StackShape | None:
+        """Where the layers sit in a stack [*dims, ...] (None: [L, ...]), from what its
+        weights declare (``real_layers``, their logical axes)."""
         first = jax.tree.leaves(self.state, is_leaf=_is_variable)[0]
-        return (logical_axes_of(first) or (None,))[0]
+        layers = first.get_metadata().get("real_layers") if _is_variable(first) else None
+        return None if layers is None else stack_shape(logical_axes_of(first), first.shape,
+                                                       layers)
+
+    @property
+    def staged(self) -> bool:
+        """Split into pipeline stages [S, ...]."""
+        return self.shape is not None and self.shape.staged
 
     @property
     def group(self) -> int:
-        """g of a stack grouped [G, g, ...]; 1 for [L, ...] and [S, L/S, ...]."""
-        return self.leaves[0].shape[1] if self.outer_axis == LAYER_GROUPS else 1
+        """g of a stack grouped [(S,) G, g, ...]; 1 for [L, ...] and [S, L/S, ...]."""
+        shape = self.shape
+        grouped = shape is not None and len(shape.dims) > (2 if shape.staged else 1)
+        return shape.dims[-1] if grouped else 1
 
     @property
     def whole(self) -> bool:
@@ -91,12 +103,14 @@ class StackRunner:
 
     def __call__(self, stack: Stack, x: jax.Array) -> tuple[jax.Array, dict]:
         """x through ``stack``'s layers start..start+n: (x, stats [n, ...])."""
-        self.check(stack)
         leaves = stack.leaves
-        if stack.outer_axis == STAGES:   # [S, L/S, ...]: every slot in turn, then the
-            # real layers' stats (zero padding layers are the identity: gpt.stack_layers)
-            x, stats = stack.scan(x, [leaf.reshape(-1, *leaf.shape[2:]) for leaf in leaves])
-            return x, jax.tree.map(lambda a: a[:stack.n], stats)
+        if stack.staged:   # [S, ...] on one device: every slot in turn (zero padding layers
+            # are the identity: gpt.stack_layers), then the real layers' stats
+            depth = len(stack.shape.dims)
+            x, stats = stack.scan(x, [leaf.reshape(-1, *leaf.shape[depth:]) for leaf in leaves])
+            real = np.flatnonzero(stack.shape.real())
+            return x, jax.tree.map(lambda a: a[real], stats)
+        self.check(stack)
         if not stack.whole:
             leaves = [leaf[stack.start:stack.start + stack.n] for leaf in leaves]
         return stack.scan(x, leaves)
@@ -177,10 +191,13 @@ class GroupedRunner(StackRunner):
         return x, jax.tree.map(lambda *s: jnp.concatenate(s), *stats)
 
 
-def default_runner(group: int, prefetch: bool = False, keep: bool = False) -> StackRunner:
-    """The runner of a model built with ``layer_group=group`` where no layout gave one
-    (one device; a mesh without a layout)."""
-    return GroupedRunner(group, prefetch, keep) if group > 1 else ScanRunner()
+def default_runner(group: int, prefetch: bool = False, keep: bool = False,
+                   stages: int = 1) -> StackRunner:
+    """The runner of a model built with ``layer_group=group`` and ``stages`` where no
+    layout gave one (one device; a mesh without a layout): stacks split into
+    pipeline stages run slot by slot (``ScanRunner``), owner groups by a
+    ``GroupedRunner``."""
+    return GroupedRunner(group, prefetch, keep) if group > 1 and stages == 1 else ScanRunner()
 
 
 _RUNNER: contextvars.ContextVar[StackRunner | None] = contextvars.ContextVar(
