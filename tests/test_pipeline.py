@@ -59,19 +59,21 @@ def reference():
     return three_steps(MeshConfig(fsdp=1), devices=1, microbatches=1)
 
 
-@pytest.mark.parametrize("mesh_config, layout", [
-    (MeshConfig(stage=2, data=2, fsdp=2), "fsdp"),
-    (MeshConfig(stage=2, fsdp=2, tensor=2), "fsdp"),
-    (MeshConfig(stage=4, data=2, fsdp=1), "replicated"),
-    (MeshConfig(stage=2, fsdp=4), "owner"),
-    (MeshConfig(stage=2, fsdp=2, tensor=2), "owner"),
-    (MeshConfig(stage=2, data=2, fsdp=2), "layerwise"),
-    (MeshConfig(stage=2, fsdp=2, tensor=2), "layerwise"),
-], ids=["stage2_data2_fsdp2", "stage2_fsdp2_tensor2", "stage4_data2_replicated",
-        "stage2_fsdp4_owner", "stage2_fsdp2_tensor2_owner", "stage2_data2_fsdp2_layerwise",
-        "stage2_fsdp2_tensor2_layerwise"])
-def test_three_steps_equal_one_device(mesh_config, layout, reference):
-    chex.assert_trees_all_close(three_steps(mesh_config, layout), reference,
+@pytest.mark.parametrize("mesh_config, layout, remat", [
+    (MeshConfig(stage=2, data=2, fsdp=2), "fsdp", "none"),
+    (MeshConfig(stage=2, fsdp=2, tensor=2), "fsdp", "full"),
+    (MeshConfig(stage=4, data=2, fsdp=1), "replicated", "none"),
+    (MeshConfig(stage=4, data=2, fsdp=1), "layerwise", "dots"),
+    (MeshConfig(stage=2, fsdp=4), "owner", "none"),
+    (MeshConfig(stage=2, fsdp=2, tensor=2), "owner", "none"),
+    (MeshConfig(stage=2, data=2, fsdp=2), "layerwise", "none"),
+    (MeshConfig(stage=2, fsdp=2, tensor=2), "layerwise", "none"),
+], ids=["stage2_data2_fsdp2", "stage2_fsdp2_tensor2_remat", "stage4_data2_replicated",
+        "stage4_data2_layerwise_remat", "stage2_fsdp4_owner", "stage2_fsdp2_tensor2_owner",
+        "stage2_data2_fsdp2_layerwise", "stage2_fsdp2_tensor2_layerwise"])
+def test_three_steps_equal_one_device(mesh_config, layout, remat, reference):
+    model = dataclasses.replace(MODEL, remat=remat)
+    chex.assert_trees_all_close(three_steps(mesh_config, layout, model=model), reference,
                                 rtol=1e-5, atol=1e-6)
 
 
