@@ -16,9 +16,11 @@ The embedding, the head and the loss run outside the pipeline, on every stage
 replicated input, and the last stage's outputs reach every stage by one
 all-reduce over the stage axis (its transpose is free; the input's gradient
 comes back by one all-reduce). Their weights' gradients then need no sum over
-stages. The price is the head's matmuls run S times; Megatron instead puts the
-embedding on the first stage and the head on the last, which an SPMD program
-can only approximate by masking.
+stages. The price is the head's matmuls run S times (XLA may instead split
+that replicated work over the idle stage axis itself: then a few collectives of
+the embedding's and head's sizes cross it, once per step, outside the tick
+loops); Megatron puts the embedding on the first stage and the head on the
+last, which an SPMD program can only approximate by masking.
 """
 
 from __future__ import annotations
@@ -86,12 +88,12 @@ class PipelineRunner(StackRunner):
 
         y, stats = jax.shard_map(body, mesh=mesh, in_specs=(P(), [P(axis)] * len(leaves)),
                                  out_specs=(P(), P(axis)), axis_names=set(axis))(xm, leaves)
-        y = y.swapaxes(0, 1).reshape(x.shape)
-        # [S, M, L/S, b, ...] -> [L, B, ...], the stack's order, the batch's rows.
-        stats = jax.tree.map(lambda s: s.swapaxes(1, 2).reshape(
-            -1, m, b, *s.shape[4:])[:stack.n].swapaxes(1, 2).reshape(stack.n, -1, *s.shape[4:]),
-            stats)   # (each stage's stats cover its per_stage first slots, the real ones)
-        return y, stats
+        def in_batch_order(s):   # [S, M, per_stage, b, ...] -> [L, B, ...]: the real
+            # layers in order (only the last stages end in padding), the batch's rows
+            s = s.swapaxes(1, 2).reshape(-1, m, b, *s.shape[4:])[:stack.n]
+            return s.swapaxes(1, 2).reshape(stack.n, -1, *s.shape[3:])
+
+        return y.swapaxes(0, 1).reshape(x.shape), jax.tree.map(in_batch_order, stats)
 
     def _ticks(self, stack: Stack, xm, blocks, axis, per_stage):
         """One stage's side of the schedule (inside ``shard_map``, manual over ``axis``):

@@ -38,9 +38,8 @@ import numpy as np
 from flax import nnx
 
 from jmegatron.sharding.prefetch import run_prefetched
-from jmegatron.sharding.rules import (LAYERS, active_mesh_and_rules,
-                                     logical_axes_of, only_batch_axes_live, run_constrained,
-                                     run_gathered)
+from jmegatron.sharding.rules import (LAYERS, active_mesh_and_rules, logical_axes_of,
+                                     only_batch_axes_live, run_constrained, run_gathered)
 from jmegatron.sharding.scatter import run_stack
 from jmegatron.sharding.stacks import StackShape, stack_shape
 
@@ -52,7 +51,8 @@ class Stack(NamedTuple):
     """One run of consecutive layers of a stack, as the model hands it to a runner."""
 
     layer: LayerFn                   # one layer (remat applied)
-    state: nnx.State                 # the whole stack's weights: [L, ...] or [G, g, ...]
+    state: nnx.State                 # the whole stack's weights: [L, ...], [G, g, ...],
+                                     # [S, L/S, ...] or [S, G, g, ...] (sharding.stacks)
     start: int                       # the first layer to run
     n: int                           # how many
     summed: tuple[str, ...]          # stats the layer sums over the whole batch (MoE loads)
