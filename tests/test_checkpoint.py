@@ -39,8 +39,9 @@ def setup(mesh_config, layout, devices=8, model=MODEL, optim="muon"):
 
 
 def canonical(cfg, state, codecs):
-    return jax.device_get(jax.tree.map(lambda c, x: c.encode(x), codecs, state,
-                                       is_leaf=lambda c: isinstance(c, LeafCodec)))
+    # Under one jit, as Checkpointer.save encodes: op by op, the eager programs of a
+    # layerwise unpad on 8 virtual devices twice aborted XLA:CPU on 2 cores (2026-12-04).
+    return helpers.canonical(state, codecs)
 
 
 def abstract(state):

@@ -28,7 +28,10 @@ and which device computes each matrix's update.
               more (``experiments.bench_layouts`` prints both).
 
 Tensor parallelism composes with all four (the tensor axis keeps Megatron's
-rules; see ``jmegatron.optim.tensor_parallel``).
+rules; see ``jmegatron.optim.tensor_parallel``), and so do pipeline stages:
+each layout's ``runner`` then runs the stacks through the pipeline
+(``jmegatron.sharding.pipeline``), each stage's layers as the layout runs a
+stack, and its matrices' owners are ranks of that stage's own group.
 """
 
 from __future__ import annotations
@@ -132,8 +135,9 @@ class Layerwise(Layout):
         return ScatterRunner(owners=self.owner_axes)
 
     def state_spec(self, logical: tuple, batch_dims: tuple[int, ...]) -> P:
-        """The param's, except that the leading batch dim is split over the owner axes
-        the param does not already use (MoE experts keep `expert`: each expert rank's
+        """The param's, except that the stack dim (``stack_dim``: the first batch dim
+        after any pipeline stages) is split over the owner axes the param does not
+        already use (MoE experts keep `expert`: each expert rank's
         data ranks then share out its experts' layers)."""
         if not batch_dims:
             return self.param_spec(logical)
