@@ -35,6 +35,7 @@ VARIANTS = {
     "namo": dict(optim="adaptive_muon", adaptive_muon=AdaptiveMuonConfig(second_moment="namo")),
     "soap": dict(optim="soap"),
     "rekls": dict(optim="rekls"),
+    "dion2": dict(optim="dion2"),
 }
 
 
