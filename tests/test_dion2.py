@@ -54,12 +54,10 @@ POLAR_EXPRESS = [
 ]
 
 
-def polar_express64(x, eps=1e-8):
-    """The reference's polar_express in float64: X / (1.02 ||X||_F + eps), then
-    five iterations; a wide X through X X^T on the left, a tall one through X^T X
-    on the right."""
-    x = x / (np.linalg.norm(x) * 1.02 + eps)
-    for a, b, c in POLAR_EXPRESS:
+def iterate64(x, schedule):
+    """Odd-polynomial iterations in float64: a wide X through X X^T on the left, a
+    tall one through X^T X on the right."""
+    for a, b, c in schedule:
         if x.shape[0] > x.shape[1]:
             A = x.T @ x
             x = a * x + x @ (b * A + c * A @ A)
@@ -67,19 +65,17 @@ def polar_express64(x, eps=1e-8):
             A = x @ x.T
             x = a * x + (b * A + c * A @ A) @ x
     return x
+
+
+def polar_express64(x, eps=1e-8):
+    """The reference's polar_express in float64: X / (1.02 ||X||_F + eps), then its
+    five iterations."""
+    return iterate64(x / (np.linalg.norm(x) * 1.02 + eps), POLAR_EXPRESS)
 
 
 def quintic64(x):
     """Muon's Newton-Schulz in float64: unit Frobenius norm, the quintic set."""
-    x = x / np.linalg.norm(x)
-    for a, b, c in coefficient_set("quintic").schedule(5):
-        if x.shape[0] > x.shape[1]:
-            A = x.T @ x
-            x = a * x + x @ (b * A + c * A @ A)
-        else:
-            A = x @ x.T
-            x = a * x + (b * A + c * A @ A) @ x
-    return x
+    return iterate64(x / np.linalg.norm(x), coefficient_set("quintic").schedule(5))
 
 
 class Reference:
