@@ -159,10 +159,9 @@ def ownership_report(leaves: list[LeafRoute], layout: Layout,
             continue
         per_stack = _matrix_cost(leaf)
         if where.grouped:   # [(S,) G, g, ...]: group slot j on rank j, padding skipped
-            dims = stack_shape(leaf.logical, leaf.shape, 0).dims
             real = layers(leaf.path) if layers else None
-            mask = (stack_shape(leaf.logical, leaf.shape, real).real() if real
-                    else np.ones(dims, bool))
+            stack = stack_shape(leaf.logical, leaf.shape, real or 0)
+            mask = stack.real() if real else np.ones(stack.dims, bool)
             costs += [per_stack / mask.size] * int(mask.sum())
             owner += list(np.nonzero(mask)[-1])
             padding += int(mask.size - mask.sum())

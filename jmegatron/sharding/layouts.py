@@ -46,7 +46,7 @@ from jmegatron.sharding.pipeline import PipelineRunner
 from jmegatron.sharding.rules import (BATCH, DEFAULT_RULES, EMBED, LAYER_GROUPS, LAYERS, STAGES,
                                      Rules, logical_to_spec, mesh_axes_of, spec_axes, split_size,
                                      with_rules)
-from jmegatron.sharding.runners import GroupedRunner, ScanRunner, ScatterRunner, StackRunner
+from jmegatron.sharding.runners import ScanRunner, ScatterRunner, StackRunner, default_runner
 
 LAYOUTS = ("replicated", "layerwise", "fsdp", "owner")
 ASSIGNMENTS = ("round_robin", "balanced")
@@ -166,8 +166,7 @@ class Owner(Layout):
         return self.owners
 
     def stage_runner(self, prefetch: bool, keep_gathered: bool) -> StackRunner:
-        return GroupedRunner(self.layer_group, prefetch, keep_gathered) \
-            if self.layer_group > 1 else ScanRunner()
+        return default_runner(self.layer_group, prefetch, keep_gathered)
 
     def check_matrix(self, path: str, logical: tuple) -> None:
         if self.owners > 1 and LAYER_GROUPS not in logical[:2]:
