@@ -21,6 +21,7 @@ import helpers
 from jmegatron.models import GPTConfig
 from jmegatron.sharding import MeshConfig, make_mesh
 from jmegatron.train import ScheduleConfig, TrainConfig, Trainer
+from jmegatron.train.config import MuonBPConfig
 from jmegatron.train.checkpoint import Checkpointer, CheckpointDamaged, CheckpointError, LeafCodec
 
 MODEL = GPTConfig(vocab_size=300, d_model=32, n_layers=4, n_heads=4, n_kv_heads=4, d_ff=64,
@@ -72,6 +73,9 @@ CASES = {   # name: (source mesh, layout, devices), (target mesh, layout, device
     "soap_stage_4_to_owner": ((S4, "fsdp", 8), (L8, "owner", 8), "soap"),
     "soap_layerwise_to_stage_2": ((L8, "layerwise", 8), (S2, "fsdp", 8), "soap"),
     "soap_owner_stage_2_to_owner_stage_4": ((S2, "owner", 8), (S4, "owner", 8), "soap"),
+    # The communication-reduced optimizers: Muon's state, Dion2's error-feedback momentum.
+    "muon_bp_fsdp_to_owner": ((D8, "fsdp", 8), (L8, "owner", 8), "muon_bp"),
+    "dion2_layerwise_to_fsdp": ((L8, "layerwise", 8), (D8, "fsdp", 8), "dion2"),
 }
 
 
@@ -148,12 +152,19 @@ def losses(run_dir: Path) -> dict:
     return {r["step"]: r["loss"] for r in records if "loss" in r}
 
 
-def test_resume_is_exact(tmp_path):
-    straight = Trainer(TrainConfig(**SMALL, out_dir=str(tmp_path), name="straight"))
+# MuonBP's period 3 puts the stop inside a period: the restored count must pick the
+# next full step; Dion2's error feedback must come back whole.
+OPTIONS = {"muon": {}, "muon_bp": dict(muon_bp=MuonBPConfig(period=3)), "dion2": {}}
+
+
+@pytest.mark.parametrize("optim", OPTIONS)
+def test_resume_is_exact(optim, tmp_path):
+    small = dict(SMALL, optim=optim, **OPTIONS[optim])
+    straight = Trainer(TrainConfig(**small, out_dir=str(tmp_path), name="straight"))
     straight.run()
-    first = Trainer(TrainConfig(**SMALL, out_dir=str(tmp_path), name="halves", stop_after=10))
+    first = Trainer(TrainConfig(**small, out_dir=str(tmp_path), name="halves", stop_after=10))
     first.run()
-    second = Trainer(TrainConfig(**SMALL, out_dir=str(tmp_path), name="halves", resume=True))
+    second = Trainer(TrainConfig(**small, out_dir=str(tmp_path), name="halves", resume=True))
     assert second.start_step == 10
     second.run()
     for a, b in zip(jax.tree.leaves(straight.state), jax.tree.leaves(second.state)):

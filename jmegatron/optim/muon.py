@@ -135,6 +135,17 @@ def newton_schulz_blocks(coefficients, steps: int | None, matmul_dtype, syrk: bo
     return blocks
 
 
+def scaled_orthogonal(orthogonal_blocks: OrthogonalBlocks, scale: ScaleMode,
+                      rms_factor: float | None) -> Callable[[jax.Array, LeafPlan], jax.Array]:
+    """``f(u, leaf)``: every block of ``u`` orthogonalized and times its ``update_scale``."""
+
+    def orthogonalize(u: jax.Array, leaf: LeafPlan) -> jax.Array:
+        scaled = [ortho * update_scale(scale, fan_in, fan_out, rms_factor)
+                  for ortho, fan_in, fan_out in orthogonal_blocks(u, leaf)]
+        return from_matrices(scaled, leaf.route.spec, u.shape)
+    return orthogonalize
+
+
 def scale_by_muon(*, coefficients: str | CoefficientSet | tuple = "quintic",
                   steps: int | None = None, beta: float = 0.95, nesterov: bool = True,
                   momentum: Literal["ema", "sum"] = "ema", bias_correction: bool = False,
@@ -229,10 +240,7 @@ def scale_by_muon(*, coefficients: str | CoefficientSet | tuple = "quintic",
     orthogonal_blocks = newton_schulz_blocks(coefficients, steps, matmul_dtype, syrk, ns_method,
                                              tp_mode, source.placed_on)
 
-    def orthogonalize(u: jax.Array, leaf: LeafPlan) -> jax.Array:
-        scaled = [ortho * update_scale(scale, fan_in, fan_out, rms_factor)
-                  for ortho, fan_in, fan_out in orthogonal_blocks(u, leaf)]
-        return from_matrices(scaled, leaf.route.spec, u.shape)
+    orthogonalize = scaled_orthogonal(orthogonal_blocks, scale, rms_factor)
 
     def init_stack(x, leaf):
         return (held_zeros(x, leaf, momentum_dtype or x.dtype),)

@@ -389,3 +389,34 @@ def _reach(start: str, step: Callable[[str], Sequence[str]]) -> set[str]:
             seen.add(n)
             todo.extend(step(n))
     return seen
+
+
+def branch_collectives(hlo_text: str, mesh: jax.sharding.Mesh | None = None
+                       ) -> list[tuple[CollectiveReport, ...]]:
+    """Per ``conditional`` of an optimized HLO module (a ``lax.cond`` or ``switch``),
+    one report per branch, in branch order (``lax.cond``: false, then true): the
+    collectives of the computations that branch calls, at their counts per call of
+    the branch. A collective outside every conditional is in none of them."""
+    computations, _ = _split_computations(hlo_text)
+    report = parse_collectives(hlo_text, mesh)
+    out = []
+    for lines in computations.values():
+        for line in lines:
+            if " conditional(" not in line:
+                continue
+            branches = [c.strip().lstrip("%") for group in _BRANCHES.findall(line)
+                        for c in group.split(",")]
+            if not branches:   # the boolean form: true_computation=, false_computation=
+                branches = [re.search(rf"{side}_computation=%?([\w.\-]+)", line)[1]
+                            for side in ("false", "true")]
+            out.append(tuple(_within(computations, branch, report) for branch in branches))
+    return out
+
+
+def _within(computations: dict[str, list[str]], branch: str,
+            report: CollectiveReport) -> CollectiveReport:
+    """The collectives of ``report`` in ``branch`` and the computations it calls,
+    each at its runs per call of the branch."""
+    runs, unknown = _executions(computations, branch)
+    return CollectiveReport(tuple(dataclasses.replace(c, executions=runs[c.computation])
+                                  for c in report.collectives if c.computation in runs), unknown)

@@ -196,6 +196,25 @@ class AdaptiveMuonConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class MuonBPConfig:
+    """MuonBP's options (--optim muon_bp): each device orthogonalizes its own block of the
+    momentum, the whole matrix every --muon-bp.period steps; Newton-Schulz, momentum and
+    scale come from --muon.*."""
+
+    period: int = 5
+    """A full (whole-matrix, Muon's) step every this many steps; block steps between."""
+    block_lr_ratio: float = 1.0
+    """The block steps' step size over the full steps' (each block is scaled by its own
+    shape already, so its update RMS equals a full step's)."""
+
+    def __post_init__(self):
+        require("muon-bp.period", self.period, isinstance(self.period, int) and self.period >= 1,
+                "an integer >= 1")
+        require("muon-bp.block-lr-ratio", self.block_lr_ratio, positive(self.block_lr_ratio),
+                "a finite number > 0")
+
+
+@dataclasses.dataclass(frozen=True)
 class ReklsConfig:
     """REKLS's options (--optim rekls): SOAP with KL-Shampoo factors and eigh every step."""
 
@@ -306,7 +325,8 @@ class TrainConfig:
     Newton-Schulz load where the ranks do not divide a stack)."""
     data: DataConfig = DataConfig()
     optim: OptimizerName = "muon"
-    """A matrix optimizer (muon, soap, mop, adaptive_muon, rekls, dion2) for hidden matrices and
+    """A matrix optimizer (muon, muon_bp, soap, mop, adaptive_muon, rekls, dion2) for hidden
+    matrices and
     AdamW for the rest; adamw: AdamW for all."""
     lr: float = 3e-3
     """Peak learning rate (Muon's updates are scaled to AdamW's RMS, so one rate fits both)."""
@@ -323,6 +343,7 @@ class TrainConfig:
     soap: SoapConfig = SoapConfig()
     mop: MopConfig = MopConfig()
     adaptive_muon: AdaptiveMuonConfig = AdaptiveMuonConfig()
+    muon_bp: MuonBPConfig = MuonBPConfig()
     rekls: ReklsConfig = ReklsConfig()
     dion2: Dion2Config = Dion2Config()
     checkpoint: CheckpointConfig = CheckpointConfig()

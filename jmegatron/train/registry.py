@@ -22,6 +22,7 @@ import optax
 
 from jmegatron.optim import (Routing, adaptive_muon, dion2, dion2_flops, mop, mop_flops, muon,
                              muon_flops, rekls, rekls_flops, soap, soap_flops)
+from jmegatron.optim.muon_bp import muon_bp
 from jmegatron.optim.newton_schulz import syrk_backend
 
 # (cfg, schedule, common) -> the transformation: ``common`` holds what every matrix
@@ -68,6 +69,12 @@ def _adaptive_muon(cfg, schedule, common) -> optax.GradientTransformation:
                          **common)
 
 
+def _muon_bp(cfg, schedule, common) -> optax.GradientTransformation:
+    b = cfg.muon_bp
+    return muon_bp(schedule, period=b.period, block_lr_ratio=b.block_lr_ratio,
+                   beta=cfg.muon.momentum, **_newton_schulz(cfg), **common)
+
+
 def _mop(cfg, schedule, common) -> optax.GradientTransformation:
     p = cfg.mop
     return mop(schedule, beta=p.momentum, nesterov=p.nesterov, scale=p.scale,
@@ -95,6 +102,9 @@ def _dion2(cfg, schedule, common) -> optax.GradientTransformation:
 
 OPTIMIZERS: dict[str, Entry] = {
     "muon": Entry(("muon",), _muon, _muon_flops, newton_schulz=True),
+    # Full steps' FLOPs on every step: an upper bound (block steps orthogonalize smaller
+    # matrices, how much smaller depends on the layout).
+    "muon_bp": Entry(("muon_bp", "muon"), _muon_bp, _muon_flops, newton_schulz=True),
     "soap": Entry(("soap",), _soap, lambda cfg, params, routing: soap_flops(
         params, routing, cfg.soap.precondition_frequency, cfg.soap.max_precond_dim)),
     "mop": Entry(("mop",), _mop, lambda cfg, params, routing: mop_flops(params, routing)),
