@@ -17,6 +17,9 @@ everything on every rank) with the same optimizer, and for Muon against the
 `optax` row: `optax.contrib.muon` on the same params placed as `fsdp` places
 them, with dimension numbers from jmegatron's routing, where XLA partitions
 Newton-Schulz itself (what a user of optax would run; see ``optax_muon``).
+MuonBP (--optim muon_bp) alternates P - 1 block steps with one full step in one
+program: its step time is P consecutive steps over P, its bytes the full branch's
+over P (``hlo.periodic_bytes_per_device``), its collective count both branches'.
 With --keep-gathered, a row `owner+kept`: owner with ``GPTConfig.keep_gathered``
 (the backward keeps each group's gathered weights, FSDP's
 reshard_after_forward=False).
@@ -41,10 +44,12 @@ from jmegatron.optim.muon import MOONLIGHT_RMS
 from jmegatron.optim.owners import tail_owner_bytes
 from jmegatron.optim.routing import MatrixSpec
 from jmegatron.sharding import MeshConfig, hlo_collectives, make_mesh
+from jmegatron.sharding.hlo import periodic_bytes_per_device
 from jmegatron.sharding.layouts import LAYOUTS, make_layout
 from jmegatron.train import ScheduleConfig, TrainConfig, create_train_state
 from jmegatron.train.optimizer import (MATRIX_OPTIMIZERS, Optimizer, make_optimizer,
                                        make_schedule)
+from jmegatron.train.registry import OPTIMIZERS
 from jmegatron.train.step import make_loss_fn, make_train_step
 
 OPTAX = "optax"   # the row of optax.contrib.muon on fsdp-placed params
@@ -164,11 +169,21 @@ def measure(variant: str, mesh, model: GPTConfig, tokens, optim: str = "muon") -
     fb_report = hlo_collectives(fwd_bwd, state.params, tokens)
     held = sum(x.addressable_shards[0].data.nbytes
                for x in jax.tree.leaves((state.params, state.opt_state)))
+    # MuonBP: P steps (one full, P - 1 block) timed together, bytes averaged over them.
+    period = OPTIMIZERS[optim].period(train) if optim in OPTIMIZERS else 1
+    opt_text = opt_jit.lower(params, grads, state.opt_state).compile().as_text()
+
+    def period_of_steps():
+        state_now = opt_state
+        for _ in range(period):
+            _, state_now = opt_jit(params, grads, state_now)
+        return state_now
+
     row = {"optim": optim, "variant": variant,
            "opt_gflop": optimizer.flops_per_step / 1e9,
-           "opt_step_ms": 1e3 * best_time(lambda: opt_jit(params, grads, opt_state), 2),
+           "opt_step_ms": 1e3 * best_time(period_of_steps, 2) / period,
            "opt_collectives": opt_report.count(),
-           "opt_bytes_per_device": opt_report.bytes_per_device(),
+           "opt_bytes_per_device": periodic_bytes_per_device(opt_text, mesh, period),
            "fwd_bwd_bytes_per_device": fb_report.bytes_per_device()}
     state = jax.tree.map(jnp.copy, state)
     holder = [state]

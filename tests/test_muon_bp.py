@@ -23,7 +23,7 @@ from helpers import grads_of, optimizer_step, three_steps
 from jmegatron.models import GPT, GPTConfig
 from jmegatron.optim import make_plan, muon, muon_bp, trainable_params
 from jmegatron.sharding import MeshConfig, hlo_collectives, make_mesh
-from jmegatron.sharding.hlo import branch_collectives
+from jmegatron.sharding.hlo import branch_collectives, periodic_bytes_per_device
 from jmegatron.sharding.layouts import make_layout
 from jmegatron.sharding.rules import spec_axes
 from jmegatron.train import create_train_state
@@ -175,3 +175,4 @@ def test_block_steps_have_no_collective_and_full_steps_move_muons_bytes():
     muon_bytes = hlo_collectives(jax.jit(optimizer_step(reference)), muon_state.params,
                                  muon_state.opt_state, grads_of(muon_state.params, 0))
     assert full_bytes == muon_bytes.bytes_per_device() > 0
+    assert periodic_bytes_per_device(text, mesh, PERIOD) == pytest.approx(full_bytes / PERIOD)

@@ -413,6 +413,21 @@ def branch_collectives(hlo_text: str, mesh: jax.sharding.Mesh | None = None
     return out
 
 
+def periodic_bytes_per_device(hlo_text: str, mesh: jax.sharding.Mesh | None,
+                              period: int) -> float:
+    """Bytes one device sends per call, averaged over ``period`` calls of a program whose
+    two-branch conditionals take their true branch once in ``period`` calls and their
+    false branch otherwise (MuonBP's full and block steps); collectives outside the
+    conditionals run every call."""
+    total = parse_collectives(hlo_text, mesh).bytes_per_device()
+    for branches in branch_collectives(hlo_text, mesh):
+        if len(branches) != 2:
+            raise ValueError(f"a conditional of {len(branches)} branches: no true/false period")
+        false, true = (b.bytes_per_device() for b in branches)
+        total += ((period - 1) * false + true) / period - false - true
+    return total
+
+
 def _within(computations: dict[str, list[str]], branch: str,
             report: CollectiveReport) -> CollectiveReport:
     """The collectives of ``report`` in ``branch`` and the computations it calls,

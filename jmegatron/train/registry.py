@@ -40,6 +40,9 @@ class Entry:
     build: Build
     flops: Flops
     newton_schulz: bool = False   # runs Muon's Newton-Schulz (its tensor-parallel modes)
+    # (cfg) -> P: one step in P takes the true branch of the step's conditionals (MuonBP's
+    # full step), the others the false one; benchmarks average bytes and time over P steps.
+    period: Callable[..., int] = lambda cfg: 1
 
 
 def _newton_schulz(cfg) -> dict:
@@ -104,7 +107,8 @@ OPTIMIZERS: dict[str, Entry] = {
     "muon": Entry(("muon",), _muon, _muon_flops, newton_schulz=True),
     # Full steps' FLOPs on every step: an upper bound (block steps orthogonalize smaller
     # matrices, how much smaller depends on the layout).
-    "muon_bp": Entry(("muon_bp", "muon"), _muon_bp, _muon_flops, newton_schulz=True),
+    "muon_bp": Entry(("muon_bp", "muon"), _muon_bp, _muon_flops, newton_schulz=True,
+                     period=lambda cfg: cfg.muon_bp.period),
     "soap": Entry(("soap",), _soap, lambda cfg, params, routing: soap_flops(
         params, routing, cfg.soap.precondition_frequency, cfg.soap.max_precond_dim)),
     "mop": Entry(("mop",), _mop, lambda cfg, params, routing: mop_flops(params, routing)),
