@@ -36,6 +36,7 @@ VARIANTS = {
     "soap": dict(optim="soap"),
     "rekls": dict(optim="rekls"),
     "dion2": dict(optim="dion2"),
+    "muon_bp": dict(optim="muon_bp"),
 }
 
 
