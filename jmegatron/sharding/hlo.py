@@ -404,28 +404,50 @@ def branch_collectives(hlo_text: str, mesh: jax.sharding.Mesh | None = None
         for line in lines:
             if " conditional(" not in line:
                 continue
-            branches = [c.strip().lstrip("%") for group in _BRANCHES.findall(line)
-                        for c in group.split(",")]
-            if not branches:   # the boolean form: true_computation=, false_computation=
-                branches = [re.search(rf"{side}_computation=%?([\w.\-]+)", line)[1]
-                            for side in ("false", "true")]
-            out.append(tuple(_within(computations, branch, report) for branch in branches))
+            out.append(tuple(_within(computations, branch, report) for branch in _branches(line)))
     return out
+
+
+def _branches(line: str) -> list[str]:
+    """The branch computations of a conditional instruction, in branch order (the
+    boolean form's false branch first, as ``lax.cond`` orders them)."""
+    branches = [c.strip().lstrip("%") for group in _BRANCHES.findall(line)
+                for c in group.split(",")]
+    if not branches:   # the boolean form: true_computation=, false_computation=
+        branches = [re.search(rf"{side}_computation=%?([\w.\-]+)", line)[1]
+                    for side in ("false", "true")]
+    return branches
+
+
+def period_weights(hlo_text: str, period: int) -> dict[str, float]:
+    """The share of calls each computation inside a conditional runs in, for a program
+    whose two-branch conditionals take their true branch once in ``period`` calls and
+    their false branch otherwise (MuonBP's full and block steps): 1 / period for the
+    true branch's computations, (period - 1) / period for the false one's. The
+    collectives of computations not listed run every call."""
+    computations, _ = _split_computations(hlo_text)
+    weights: dict[str, float] = {}
+    for lines in computations.values():
+        for line in lines:
+            if " conditional(" not in line:
+                continue
+            branches = _branches(line)
+            if len(branches) != 2:
+                raise ValueError(f"a conditional of {len(branches)} branches: no true/false "
+                                 "period")
+            for branch, share in zip(branches, ((period - 1) / period, 1 / period)):
+                for comp in _executions(computations, branch)[0]:
+                    weights[comp] = share
+    return weights
 
 
 def periodic_bytes_per_device(hlo_text: str, mesh: jax.sharding.Mesh | None,
                               period: int) -> float:
     """Bytes one device sends per call, averaged over ``period`` calls of a program whose
-    two-branch conditionals take their true branch once in ``period`` calls and their
-    false branch otherwise (MuonBP's full and block steps); collectives outside the
-    conditionals run every call."""
-    total = parse_collectives(hlo_text, mesh).bytes_per_device()
-    for branches in branch_collectives(hlo_text, mesh):
-        if len(branches) != 2:
-            raise ValueError(f"a conditional of {len(branches)} branches: no true/false period")
-        false, true = (b.bytes_per_device() for b in branches)
-        total += ((period - 1) * false + true) / period - false - true
-    return total
+    conditionals run as ``period_weights`` says."""
+    weights = period_weights(hlo_text, period)
+    return sum(c.bytes_per_device * c.executions * weights.get(c.computation, 1.0)
+               for c in parse_collectives(hlo_text, mesh).collectives)
 
 
 def _within(computations: dict[str, list[str]], branch: str,
