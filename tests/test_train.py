@@ -13,6 +13,7 @@ from flax import nnx
 
 from experiments import train as train_cli
 from jmegatron.models import GPT, GPTConfig
+from jmegatron.optim import matrix_pieces
 from jmegatron.sharding import DEFAULT_RULES, MeshConfig, hlo_collectives, make_mesh
 from jmegatron.train import (ScheduleConfig, TrainConfig, create_train_state, fit_mesh,
                              make_loss_fn, make_train_step, run_folder)
@@ -241,7 +242,8 @@ def test_the_accelerator_presets_build_the_sizes_they_state(name, billions):
 
 def test_every_registered_optimizer_builds_from_its_entry():
     """``registry.OPTIMIZERS`` alone decides --optim's choices, the option groups a
-    resume keeps, the transformation and its FLOPs."""
+    resume keeps, the transformation, its FLOPs and the cost the plan balances
+    owners by (one per-matrix FLOP count for both)."""
     from jmegatron.train.registry import OPTIMIZER_NAMES, OPTIMIZERS
     abstract = nnx.split(nnx.eval_shape(lambda: GPT(MODEL, nnx.Rngs(0))))[1]
     assert train_cli.parse(["--optim", "rekls"]).optim == "rekls"
@@ -253,3 +255,7 @@ def test_every_registered_optimizer_builds_from_its_entry():
                    for field in dataclasses.asdict(getattr(cfg, group)))
         optimizer = make_optimizer(cfg, abstract)
         assert optimizer.flops_per_step > 0 and set(optimizer.leaf_groups) == {name, "adamw"}
+        per_matrix = entry.matrix_flops(cfg)
+        assert optimizer.plan.cost(48, 96) == per_matrix(48, 96) > 0
+        assert optimizer.flops_per_step == sum(p.count * per_matrix(p.fan_in, p.fan_out)
+                                               for p in matrix_pieces(abstract))

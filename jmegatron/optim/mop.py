@@ -21,7 +21,8 @@ from jmegatron.optim.matrix import (AdamW, PlanSource, WeightDecayMethod, descen
                                     on_owners, per_matrix, scale_by_matrix_optimizer, with_adamw)
 from jmegatron.optim.muon import MuonState, check_momentum_args, momentum_step, update_scale
 from jmegatron.optim.plan import ShardingPlan
-from jmegatron.optim.routing import Routing, from_matrices, matrix_pieces, to_matrices
+from jmegatron.optim.routing import (Routing, flops_over_matrices, from_matrices,
+                                     to_matrices)
 from jmegatron.sharding.layouts import Layout
 from jmegatron.sharding.rules import DEFAULT_RULES, Rules
 
@@ -178,6 +179,12 @@ def mop(learning_rate: optax.ScalarOrSchedule, *, beta: float = 0.95, nesterov: 
     return with_adamw("mop", matrix, source, learning_rate, adamw)
 
 
+def mop_matrix_flops(m: int, n: int) -> int:
+    """Textbook FLOPs of one MOP step on one m x n block (see ``mop_flops``)."""
+    p, q = sorted((m, n))
+    return 8 * q * p * p + 20 * p ** 3
+
+
 def mop_flops(params, routing: Routing = Routing()) -> int:
     """Textbook FLOPs of one MOP step on ``params``.
 
@@ -193,8 +200,4 @@ def mop_flops(params, routing: Routing = Routing()) -> int:
     Returns:
       The FLOPs, an int.
     """
-    total = 0
-    for piece in matrix_pieces(params, routing):
-        p, q = sorted((piece.fan_in, piece.fan_out))
-        total += piece.count * (8 * q * p * p + 20 * p ** 3)
-    return total
+    return flops_over_matrices(params, routing, mop_matrix_flops)

@@ -15,7 +15,8 @@ from jmegatron.optim.newton_schulz import NS_METHODS, NSMethod, newton_schulz, n
 from jmegatron.optim.matrix import (AdamW, PlanSource, WeightDecayMethod, descend, held_zeros,
                                     scale_by_matrix_optimizer, with_adamw)
 from jmegatron.optim.plan import HELD, LeafPlan, ShardingPlan, matrix_state
-from jmegatron.optim.routing import Routing, from_matrices, matrix_pieces, to_matrices
+from jmegatron.optim.routing import (Routing, flops_over_matrices, from_matrices,
+                                     to_matrices)
 from jmegatron.optim.tensor_parallel import TP_MODES, TensorParallel, TPMode, tp_newton_schulz
 from jmegatron.sharding.layouts import Layout
 from jmegatron.sharding.rules import DEFAULT_RULES, Rules
@@ -350,5 +351,4 @@ def muon_flops(params, routing: Routing = Routing(), steps: int | None = None,
       The FLOPs, an int.
     """
     n = coefficient_set(coefficients).default_steps if steps is None else steps
-    return sum(p.count * ns_flops(p.fan_in, p.fan_out, n, syrk, ns_method)
-               for p in matrix_pieces(params, routing))
+    return flops_over_matrices(params, routing, lambda m, k: ns_flops(m, k, n, syrk, ns_method))

@@ -30,7 +30,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from jmegatron.optim.owners import assign, load_report, ns_cost, rank_loads, stack_offsets
-from jmegatron.optim.routing import MATRIX, LeafRoute, batch_axes
+from jmegatron.optim.routing import MATRIX, LeafRoute, MatrixFlops, batch_axes
 from jmegatron.sharding.layouts import Layout
 from jmegatron.sharding.rules import LAYER_GROUPS
 from jmegatron.sharding.stacks import stack_shape
@@ -125,39 +125,41 @@ def place(leaf: LeafRoute, layout: Layout) -> Placement:
                      LAYER_GROUPS in logical[:2], not batch or stack_axis == batch[0])
 
 
-def place_all(leaves: list[LeafRoute], layout: Layout) -> list[Placement | None]:
+def place_all(leaves: list[LeafRoute], layout: Layout,
+              cost: MatrixFlops = ns_cost) -> list[Placement | None]:
     """Placements of the matrix leaves in order (None for the others), each
-    stack's first owner set by ``layout.assignment`` (``owners.stack_offsets``)
-    among the stacks split over as many owners."""
+    stack's first owner set by ``layout.assignment`` (``owners.stack_offsets``,
+    matrices weighed by ``cost``) among the stacks split over as many owners."""
     out = [None if leaf.route.kind != MATRIX or leaf.logical is None else place(leaf, layout)
            for leaf in leaves]
     for owners in {where.owners for where in out if where is not None}:
         mine = [i for i, where in enumerate(out) if where is not None and where.owners == owners]
-        stacks = [(out[i].length, _matrix_cost(leaves[i]) / out[i].length) for i in mine]
+        stacks = [(out[i].length, _matrix_cost(leaves[i], cost) / out[i].length) for i in mine]
         for i, offset in zip(mine, stack_offsets(stacks, owners, layout.assignment)):
             out[i] = dataclasses.replace(out[i], offset=offset)
     return out
 
 
-def _matrix_cost(leaf: LeafRoute) -> float:
-    """Newton-Schulz cost of a whole leaf (every matrix of its stack)."""
-    return sum(p.count * ns_cost(p.fan_in, p.fan_out) for p in leaf.route.spec.pieces(leaf.shape))
+def _matrix_cost(leaf: LeafRoute, cost: MatrixFlops) -> float:
+    """The optimizer's cost of a whole leaf (every matrix of its stack)."""
+    return sum(p.count * cost(p.fan_in, p.fan_out) for p in leaf.route.spec.pieces(leaf.shape))
 
 
 def ownership_report(leaves: list[LeafRoute], layout: Layout,
-                     layers: Callable[[str], int] | None = None) -> str:
+                     layers: Callable[[str], int] | None = None,
+                     cost: MatrixFlops = ns_cost) -> str:
     """Who owns which whole matrices under ``layout`` (layerwise, owner): per-rank
-    Newton-Schulz load of real matrices (Muon skips padding slots, so its step
-    takes the heaviest rank's), its imbalance, what LPT over single matrices
-    would give, the cost with padding computed (SOAP does), and the padding.
-    ``layers(path)``: real layers of a grouped (owner) stack."""
+    load of real matrices by ``cost`` (the optimizer's FLOPs per matrix; Muon skips
+    padding slots, so its step takes the heaviest rank's), its imbalance, what LPT
+    over single matrices would give, the cost with padding computed (SOAP does),
+    and the padding. ``layers(path)``: real layers of a grouped (owner) stack."""
     if layout.owners == 1:
         return f"{layout.name}: no rank owns whole matrices"
     n, costs, owner, padding, spmd = layout.owners, [], [], 0, 0.0
-    for leaf, where in zip(leaves, place_all(leaves, layout)):
+    for leaf, where in zip(leaves, place_all(leaves, layout, cost)):
         if where is None:
             continue
-        per_stack = _matrix_cost(leaf)
+        per_stack = _matrix_cost(leaf, cost)
         if where.grouped:   # [(S,) G, g, ...]: group slot j on rank j, padding skipped
             real = layers(leaf.path) if layers else None
             stack = stack_shape(leaf.logical, leaf.shape, real or 0)

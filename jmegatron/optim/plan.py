@@ -28,8 +28,10 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jmegatron.optim.codec import LeafCodec
+from jmegatron.optim.owners import ns_cost
 from jmegatron.optim.placement import Placement, ownership_report, place_all
-from jmegatron.optim.routing import (ADAMW, MATRIX, LeafRoute, Route, Routing, describe_leaves,
+from jmegatron.optim.routing import (ADAMW, MATRIX, LeafRoute, MatrixFlops, Route, Routing,
+                                     describe_leaves,
                                      routed)
 from jmegatron.sharding import rules as ax
 from jmegatron.sharding.layouts import Layout, make_layout
@@ -130,6 +132,8 @@ class ShardingPlan:
       mesh: the mesh; None: no mesh.
       layout: the ``Layout``; None without a mesh.
       routing: the ``Routing`` the routes were made with.
+      cost: a matrix's optimizer work, ``(fan_in, fan_out) -> FLOPs``, by which the
+        balanced assignment spreads matrices over their owners.
     """
 
     leaves: tuple[LeafPlan, ...]
@@ -138,6 +142,7 @@ class ShardingPlan:
     mesh: jax.sharding.Mesh | None
     layout: Layout | None
     routing: Routing
+    cost: MatrixFlops = ns_cost
 
     def split(self, tree) -> list:
         """The subtree of ``tree`` at each leaf (a variable, an array, or an empty
@@ -261,7 +266,7 @@ class ShardingPlan:
         leaves = [leaf.as_route() for leaf in self.leaves if leaf.route]
         layers = {leaf.path: leaf.codec.stack.layers for leaf in self.leaves
                   if leaf.codec.stack is not None}
-        return ownership_report(leaves, self.layout, layers.get)
+        return ownership_report(leaves, self.layout, layers.get, self.cost)
 
 
 def _is_variable(node) -> bool:
@@ -290,7 +295,8 @@ def resolve_layout(layout: Layout | str | None, mesh: jax.sharding.Mesh,
 
 
 def make_plan(params, mesh: jax.sharding.Mesh | None = None, layout: Layout | str | None = None,
-              routing: Routing = Routing(), rules: Rules = DEFAULT_RULES) -> ShardingPlan:
+              routing: Routing = Routing(), rules: Rules = DEFAULT_RULES,
+              cost: MatrixFlops = ns_cost) -> ShardingPlan:
     """The plan of ``params`` on ``mesh`` under ``layout``, matrices found by ``routing``.
 
     Without a mesh: routes and codecs only.
@@ -303,6 +309,9 @@ def make_plan(params, mesh: jax.sharding.Mesh | None = None, layout: Layout | st
         "fsdp". Used only with a mesh.
       routing: the ``Routing`` options.
       rules: the logical-to-mesh axis rules a layout given by name is built on.
+      cost: a matrix's optimizer work, ``(fan_in, fan_out) -> FLOPs``, which the
+        balanced assignment evens over the owners (the registry's ``matrix_flops``
+        of the run's optimizer); default Newton-Schulz's shape, max x min^2.
 
     Returns:
       The ``ShardingPlan``.
@@ -311,14 +320,15 @@ def make_plan(params, mesh: jax.sharding.Mesh | None = None, layout: Layout | st
     flat, treedef = jax.tree.flatten_with_path(params, is_leaf=_is_variable)
     routes = [routed(path, node, routing) for path, node in flat]
     trained = [r for r in routes if r.route is not None]
-    placements = iter(place_all(trained, layout) if layout is not None else [None] * len(trained))
+    placements = iter(place_all(trained, layout, cost) if layout is not None
+                      else [None] * len(trained))
     leaves = tuple(LeafPlan(r.path, r.shape, r.logical, r.route,
                             None if layout is None else
                             layout.param_spec(r.logical or (None,) * len(r.shape)),
                             None if r.route is None else next(placements), _codec(node, r))
                    for (_, node), r in zip(flat, routes))
     trained_treedef = jax.tree.structure(trainable_params(params), is_leaf=_is_variable)
-    return ShardingPlan(leaves, treedef, trained_treedef, mesh, layout, routing)
+    return ShardingPlan(leaves, treedef, trained_treedef, mesh, layout, routing, cost)
 
 
 def _codec(node, leaf: LeafRoute) -> LeafCodec:

@@ -66,7 +66,7 @@ from jmegatron.optim import checks
 from jmegatron.optim.matrix import (AdamW, PlanSource, WeightDecayMethod, descend,
                                     with_adamw)
 from jmegatron.optim.plan import ShardingPlan
-from jmegatron.optim.routing import Routing, matrix_pieces
+from jmegatron.optim.routing import Routing, flops_over_matrices
 from jmegatron.optim.soap import Factors, eigenbasis, rotate, scale_by_eigenbasis_adam
 from jmegatron.sharding.layouts import Layout
 from jmegatron.sharding.rules import DEFAULT_RULES, Rules
@@ -272,6 +272,18 @@ def rekls(learning_rate: optax.ScalarOrSchedule, *, b1: float = 0.9, b2: float =
     return with_adamw("rekls", matrix, source, learning_rate, adamw)
 
 
+def rekls_matrix_flops(m: int, n: int, max_precond_dim: int = 10_000) -> int:
+    """Matmul FLOPs of one REKLS step on one m x n block (see ``rekls_flops``)."""
+    per_step = 0
+    for p, o in ((m, n), (n, m)):
+        if p > max_precond_dim:
+            continue
+        per_step += 8 * m * n * p + 2 * p ** 3 + 2 * p * p * o
+        if o <= max_precond_dim:
+            per_step += 2 * p * o * o + 4 * p ** 3
+    return per_step
+
+
 def rekls_flops(params, routing: Routing = Routing(), max_precond_dim: int = 10_000) -> int:
     """Matmul FLOPs of one REKLS step on ``params``.
 
@@ -295,15 +307,5 @@ def rekls_flops(params, routing: Routing = Routing(), max_precond_dim: int = 10_
     Returns:
       The FLOPs, an int.
     """
-    total = 0
-    for piece in matrix_pieces(params, routing):
-        m, n = piece.fan_in, piece.fan_out
-        per_step = 0
-        for p, o in ((m, n), (n, m)):
-            if p > max_precond_dim:
-                continue
-            per_step += 8 * m * n * p + 2 * p ** 3 + 2 * p * p * o
-            if o <= max_precond_dim:
-                per_step += 2 * p * o * o + 4 * p ** 3
-        total += piece.count * per_step
-    return int(total)
+    return flops_over_matrices(params, routing,
+                               lambda m, n: rekls_matrix_flops(m, n, max_precond_dim))

@@ -396,6 +396,17 @@ def describe_leaves(leaves: list[LeafRoute], matrix_name: str = "muon",
                      for row in rows)
 
 
+MatrixFlops = Callable[[int, int], float]   # (fan_in, fan_out) -> FLOPs of one matrix's step
+
+
+def flops_over_matrices(params, routing: Routing, per_matrix: MatrixFlops) -> int:
+    """``per_matrix(fan_in, fan_out)`` summed over every block of ``params`` (an int)."""
+    total = 0
+    for piece in matrix_pieces(params, routing):
+        total += piece.count * per_matrix(piece.fan_in, piece.fan_out)
+    return int(total)
+
+
 def matrix_pieces(params, routing: Routing = Routing()) -> list[Piece]:
     """Every block the matrix optimizer orthogonalizes (for FLOP counts).
 

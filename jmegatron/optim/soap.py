@@ -46,7 +46,8 @@ from jmegatron.optim.matrix import (AdamW, PlanSource, WeightDecayMethod, at_ste
                                     held_zeros, matrix_leaves, on_owners, per_matrix,
                                     scale_by_matrix_optimizer, with_adamw)
 from jmegatron.optim.plan import BLOCKS, HELD, ShardingPlan, matrix_state
-from jmegatron.optim.routing import Routing, from_matrices, matrix_pieces, to_matrices
+from jmegatron.optim.routing import (Routing, flops_over_matrices, from_matrices,
+                                     to_matrices)
 from jmegatron.sharding.layouts import Layout
 from jmegatron.sharding.rules import DEFAULT_RULES, Rules
 
@@ -367,6 +368,15 @@ def soap(learning_rate: optax.ScalarOrSchedule, *, b1: float = 0.95, b2: float =
     return with_adamw("soap", matrix, source, learning_rate, adamw)
 
 
+def soap_matrix_flops(m: int, n: int, precondition_frequency: int = 10,
+                      max_precond_dim: int = 10_000) -> float:
+    """Matmul FLOPs of one SOAP step on one m x n block (see ``soap_flops``)."""
+    sides = [p for p in (m, n) if p <= max_precond_dim]
+    per_step = sum(6 * m * n * p for p in sides)
+    per_refresh = sum((4 + 2 + 4 / 3) * p ** 3 for p in sides)
+    return per_step + per_refresh / precondition_frequency
+
+
 def soap_flops(params, routing: Routing = Routing(), precondition_frequency: int = 10,
                max_precond_dim: int = 10_000) -> int:
     """Matmul FLOPs of one SOAP step on ``params``.
@@ -387,11 +397,5 @@ def soap_flops(params, routing: Routing = Routing(), precondition_frequency: int
     Returns:
       The FLOPs, an int.
     """
-    total = 0.0
-    for piece in matrix_pieces(params, routing):
-        m, n = piece.fan_in, piece.fan_out
-        sides = [p for p in (m, n) if p <= max_precond_dim]
-        per_step = sum(6 * m * n * p for p in sides)
-        per_refresh = sum((4 + 2 + 4 / 3) * p ** 3 for p in sides)
-        total += piece.count * (per_step + per_refresh / precondition_frequency)
-    return int(total)
+    return flops_over_matrices(params, routing, lambda m, n: soap_matrix_flops(
+        m, n, precondition_frequency, max_precond_dim))

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import optax
 
 from jmegatron.optim import ADAMW, AdamW, Routing, ShardingPlan, TensorParallel, make_plan
+from jmegatron.optim.owners import ns_cost
 from jmegatron.optim.tensor_parallel import tp_note
 from jmegatron.sharding import rules as ax
 from jmegatron.sharding.layouts import Layout
@@ -71,14 +72,15 @@ def make_optimizer(cfg: TrainConfig, abstract_params, mesh: jax.sharding.Mesh | 
     """Global-norm clipping, then a matrix optimizer + AdamW (``--optim``, one of
     ``MATRIX_OPTIMIZERS``) or AdamW, on the plan of ``abstract_params``
     (``make_plan``) made here, once."""
-    plan = make_plan(abstract_params, mesh, layout, routing_of(cfg))
+    entry = OPTIMIZERS.get(cfg.optim)   # None: adamw
+    plan = make_plan(abstract_params, mesh, layout, routing_of(cfg),
+                     cost=entry.matrix_flops(cfg) if entry else ns_cost)
     trained = plan.for_optimizer()
     schedule = make_schedule(cfg.schedule, cfg.lr, cfg.steps)
     adam_schedule = (schedule if cfg.adamw.lr is None
                      else make_schedule(cfg.schedule, cfg.adamw.lr, cfg.steps))
     a, m = cfg.adamw, cfg.muon
-    if cfg.optim in OPTIMIZERS:
-        entry = OPTIMIZERS[cfg.optim]
+    if entry is not None:
         common = dict(weight_decay=cfg.weight_decay, weight_decay_method=cfg.weight_decay_method,
                       plan=trained, adamw=AdamW(adam_schedule, a.b1, a.b2, a.eps,
                                                 cfg.weight_decay, decay_mask))

@@ -20,29 +20,41 @@ from typing import Callable
 import jax.numpy as jnp
 import optax
 
-from jmegatron.optim import (Routing, adaptive_muon, dion2, dion2_flops, mop, mop_flops, muon,
-                             muon_flops, rekls, rekls_flops, soap, soap_flops)
-from jmegatron.optim.muon_bp import muon_bp
+from jmegatron.optim import (DION2_COEFFICIENTS, Routing, adaptive_muon, coefficient_set, dion2,
+                             mop, muon, muon_bp, ns_flops, rekls, soap)
+from jmegatron.optim.dion2 import selected_count, selection_axis
+from jmegatron.optim.mop import mop_matrix_flops
 from jmegatron.optim.newton_schulz import syrk_backend
+from jmegatron.optim.rekls import rekls_matrix_flops
+from jmegatron.optim.routing import MatrixFlops, flops_over_matrices
+from jmegatron.optim.soap import soap_matrix_flops
 
 # (cfg, schedule, common) -> the transformation: ``common`` holds what every matrix
 # optimizer takes (weight decay and its method, the plan, the AdamW of the other leaves).
 Build = Callable[..., optax.GradientTransformation]
-# (cfg, abstract params, routing) -> matmul FLOPs of one step on the matrices.
-Flops = Callable[..., int]
 
 
 @dataclasses.dataclass(frozen=True)
 class Entry:
-    """One ``--optim``: its option groups, its transformation, its FLOPs per step."""
+    """One ``--optim``: its option groups, its transformation, its FLOPs per matrix.
+
+    ``matrix_flops(cfg)`` gives ``(fan_in, fan_out) -> FLOPs`` of one block's step:
+    summed over the blocks it is the run's FLOP count (``flops``), and it is the
+    cost by which the balanced assignment spreads whole matrices over their owners
+    (``make_plan(cost=...)``).
+    """
 
     groups: tuple[str, ...]
     build: Build
-    flops: Flops
+    matrix_flops: Callable[..., MatrixFlops]
     newton_schulz: bool = False   # runs Muon's Newton-Schulz (its tensor-parallel modes)
     # (cfg) -> P: one step in P takes the true branch of the step's conditionals (MuonBP's
     # full step), the others the false one; benchmarks average bytes and time over P steps.
     period: Callable[..., int] = lambda cfg: 1
+
+    def flops(self, cfg, params, routing: Routing) -> int:
+        """Matmul FLOPs of one step on the matrices of ``params``, each counted whole."""
+        return flops_over_matrices(params, routing, self.matrix_flops(cfg))
 
 
 def _newton_schulz(cfg) -> dict:
@@ -53,12 +65,23 @@ def _newton_schulz(cfg) -> dict:
                 tp_mode=m.tp_mode, syrk=m.syrk, ns_method=m.ns_method)
 
 
-def _muon_flops(cfg, abstract_params, routing: Routing) -> int:
+def _ns_flops(cfg) -> MatrixFlops:
     m = cfg.muon
+    steps = coefficient_set(m.ns_coefficients).default_steps if m.ns_steps is None else m.ns_steps
     # SYRK's tile count only where the kernel runs (auto: jnp products on CPU).
     kernel = m.syrk and syrk_backend(True) != "jnp"
-    return muon_flops(abstract_params, routing, m.ns_steps, m.ns_coefficients, kernel,
-                      m.ns_method)
+    return lambda fan_in, fan_out: ns_flops(fan_in, fan_out, steps, kernel, m.ns_method)
+
+
+def _dion2_flops(cfg) -> MatrixFlops:
+    d = cfg.dion2
+    cset = DION2_COEFFICIENTS if d.coefficients == "dion2" else coefficient_set(d.coefficients)
+
+    def per_matrix(fan_in, fan_out):   # the selected submatrix's orthogonalization
+        if selection_axis(fan_in, fan_out) == -1:
+            return ns_flops(fan_in, selected_count(d.fraction, fan_out), cset.default_steps)
+        return ns_flops(selected_count(d.fraction, fan_in), fan_out, cset.default_steps)
+    return per_matrix
 
 
 def _muon(cfg, schedule, common) -> optax.GradientTransformation:
@@ -100,24 +123,24 @@ def _rekls(cfg, schedule, common) -> optax.GradientTransformation:
 def _dion2(cfg, schedule, common) -> optax.GradientTransformation:
     d = cfg.dion2
     return dion2(schedule, fraction=d.fraction, ef_decay=d.ef_decay, coefficients=d.coefficients,
-                 matmul_dtype=jnp.dtype(d.ns_dtype), scale=d.scale, **common)
+                 matmul_dtype=jnp.dtype(d.ns_dtype), scale=d.scale, selection=d.selection,
+                 **common)
 
 
 OPTIMIZERS: dict[str, Entry] = {
-    "muon": Entry(("muon",), _muon, _muon_flops, newton_schulz=True),
+    "muon": Entry(("muon",), _muon, _ns_flops, newton_schulz=True),
     # Full steps' FLOPs on every step: an upper bound (block steps orthogonalize smaller
     # matrices, how much smaller depends on the layout).
-    "muon_bp": Entry(("muon_bp", "muon"), _muon_bp, _muon_flops, newton_schulz=True,
+    "muon_bp": Entry(("muon_bp", "muon"), _muon_bp, _ns_flops, newton_schulz=True,
                      period=lambda cfg: cfg.muon_bp.period),
-    "soap": Entry(("soap",), _soap, lambda cfg, params, routing: soap_flops(
-        params, routing, cfg.soap.precondition_frequency, cfg.soap.max_precond_dim)),
-    "mop": Entry(("mop",), _mop, lambda cfg, params, routing: mop_flops(params, routing)),
-    "adaptive_muon": Entry(("adaptive_muon", "muon"), _adaptive_muon, _muon_flops,
+    "soap": Entry(("soap",), _soap, lambda cfg: lambda m, n: soap_matrix_flops(
+        m, n, cfg.soap.precondition_frequency, cfg.soap.max_precond_dim)),
+    "mop": Entry(("mop",), _mop, lambda cfg: mop_matrix_flops),
+    "adaptive_muon": Entry(("adaptive_muon", "muon"), _adaptive_muon, _ns_flops,
                            newton_schulz=True),
-    "rekls": Entry(("rekls",), _rekls, lambda cfg, params, routing: rekls_flops(
-        params, routing, cfg.rekls.max_precond_dim)),
-    "dion2": Entry(("dion2",), _dion2, lambda cfg, params, routing: dion2_flops(
-        params, routing, cfg.dion2.fraction, cfg.dion2.coefficients)),
+    "rekls": Entry(("rekls",), _rekls, lambda cfg: lambda m, n: rekls_matrix_flops(
+        m, n, cfg.rekls.max_precond_dim)),
+    "dion2": Entry(("dion2",), _dion2, _dion2_flops),
 }
 # Every --optim: the matrix optimizers, and AdamW on every leaf.
 OPTIMIZER_NAMES = (*OPTIMIZERS, "adamw")
