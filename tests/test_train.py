@@ -257,5 +257,5 @@ def test_every_registered_optimizer_builds_from_its_entry():
         assert optimizer.flops_per_step > 0 and set(optimizer.leaf_groups) == {name, "adamw"}
         per_matrix = entry.matrix_flops(cfg)
         assert optimizer.plan.cost(48, 96) == per_matrix(48, 96) > 0
-        assert optimizer.flops_per_step == sum(p.count * per_matrix(p.fan_in, p.fan_out)
-                                               for p in matrix_pieces(abstract))
+        assert optimizer.flops_per_step == int(sum(p.count * per_matrix(p.fan_in, p.fan_out)
+                                                   for p in matrix_pieces(abstract)))
