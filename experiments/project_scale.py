@@ -2,6 +2,7 @@
 
     python -m experiments.project_scale [--settings NAME ...] [--hardware h100 gb300 ...]
                                         [--slow] [--no-megatron] [--small] [--out PATH]
+                                        [--no-optimizers | --only-optimizers]
 
 For each setting (a model, a mesh of 8 to 64 devices, a batch) and each layout
 (replicated, layerwise, fsdp, owner), this compiles without allocating anything
@@ -45,6 +46,26 @@ compiled programs show, and the projection inherits:
     the worst case (every token on one expert rank): about 90% of
     qwen3-30b-a3b's train-step bytes; a ragged exchange (GPU) or capacity
     dispatch would send far less.
+
+Communication-reduced optimizers: MuonBP (``--optim muon_bp``, period P = 5) and
+Dion2 (``--optim dion2``, its defaults) on llama-7b at fsdp 8, 32 and 64 (settings
+``llama-7b/fsdp<N>/muon_bp`` and ``llama-7b/fsdp<N>/dion2``, the fsdp layout only:
+the layout they exist for; on owner each device holds whole matrices, where MuonBP
+is Muon), printed next to Muon's layouts of the same model, mesh and batch
+(``Setting.base``; "vs fsdp" compares with Muon's fsdp row). One compiles in about
+10 s at fsdp 8 (2-core machine), so they run by default; ``--no-optimizers`` skips
+them, ``--only-optimizers`` compiles only them and Muon's llama-7b settings of the
+same meshes (the comparison table). MuonBP's program holds each matrix's full step
+and block step in one conditional; one step in P takes the full branch (the
+registry's ``Entry.period``), so each collective counts at the share of steps it
+runs in (``hlo.period_weights``: 1/P in a full-step branch, (P-1)/P in a block-step
+one, 1 outside; the ``weight`` of a ``*_collective_list`` entry), in both the train
+step (which holds the update) and the optimizer step: bytes, collective counts
+(fractional: averaged over P) and the projected times are per step averaged over
+P. XLA's cost analysis charges a conditional its costlier branch, so MuonBP's
+optimizer FLOPs are corrected to the period's average of each branch's matmul
+(dot) FLOPs (``opt_flops_xla_per_device`` keeps XLA's count). Every other
+optimizer has P = 1: no weight, its numbers as before.
 
 Choices per model (stated in the output too):
   gpt2-small     12 layers, D=768, 12 heads, V=50257 (padded), tied embeddings,
@@ -114,7 +135,10 @@ class Setting:
     optim: str = "muon"
     layouts: tuple[str, ...] = WITH_OPTAX
     slow: bool = False              # opt-in (--slow): compiles for longer than a few minutes
-    group: str = "scale"            # "scale", or "megatron" (the paper check)
+    # "scale", "megatron" (the paper check), "small" (tests, --small), or "optimizers"
+    # (the communication-reduced optimizers next to Muon: --no-optimizers, --optimizers)
+    group: str = "scale"
+    base: str | None = None         # the Muon setting of the same model and mesh, compared with
 
     @property
     def devices(self) -> int:
@@ -128,8 +152,24 @@ def _megatron_settings() -> list[Setting]:
             for size, k in (("1.2b", 1), ("2.5b", 2), ("4.2b", 4), ("8.3b", 8))]
 
 
+# The optimizers that communicate less than Muon under fsdp, compared with Muon's layouts
+# on the same mesh: MuonBP (its full step every period steps, block steps between) and
+# Dion2 (a fraction of each matrix orthogonalized). On the fsdp layout only: it is the
+# layout they exist for; on owner MuonBP is Muon (each device holds whole matrices).
+REDUCED_COMM = ("muon_bp", "dion2")
+
+
+def _optimizer_settings() -> list[Setting]:
+    return [Setting(f"llama-7b/fsdp{n}/{optim}", "llama-7b", {"fsdp": n}, n, 4096, optim=optim,
+                    layouts=("fsdp",), group="optimizers", base=f"llama-7b/fsdp{n}")
+            for n in (8, 32, 64) for optim in REDUCED_COMM]
+
+
 SETTINGS: tuple[Setting, ...] = (
     Setting("small/fsdp8", "small", {"fsdp": 8}, 8, 128, group="small"),
+    # The tests' period-weighting check (MuonBP's default period 5).
+    Setting("small/fsdp8/muon_bp", "small", {"fsdp": 8}, 8, 128, optim="muon_bp",
+            layouts=("fsdp",), group="small", base="small/fsdp8"),
     Setting("gpt2-small/fsdp8", "gpt2-small", {"fsdp": 8}, 64, 1024),
     Setting("gpt2-small/fsdp32-tp2", "gpt2-small", {"fsdp": 32, "tensor": 2}, 256, 1024),
     Setting("llama-7b/fsdp8", "llama-7b", {"fsdp": 8}, 8, 4096),
@@ -143,6 +183,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("qwen3-30b-a3b/fsdp8-ep8", "qwen3-30b-a3b", {"fsdp": 8, "expert": 8}, 64, 4096,
             layouts=LAYOUT_NAMES),
     *_megatron_settings(),
+    *_optimizer_settings(),
 )
 
 
@@ -295,6 +336,7 @@ def compile_layout(s: Setting, layout_name: str, fwd_bwd: bool = False, devices=
     import jax
     from jmegatron.optim import trainable_params
     from jmegatron.sharding import parse_collectives
+    from jmegatron.sharding.hlo import period_excess_flops, period_weights
 
     start = time.perf_counter()
     p = programs or build_programs(s, layout_name, devices)
@@ -308,27 +350,39 @@ def compile_layout(s: Setting, layout_name: str, fwd_bwd: bool = False, devices=
     train_text, opt_text = train.as_text(), opt.as_text()
     train_report = parse_collectives(train_text, mesh)
     opt_report = parse_collectives(opt_text, mesh)
-    widths = lambda report, text: [
-        {**dataclasses.asdict(c), "width": 0.5 if c.name in _promoted(text) else 1.0}
+    period = optimizer_period(s, layout_name)
+    # MuonBP: each collective at the share of steps it runs in (period_weights: 1/P in a
+    # full-step branch, (P-1)/P in a block-step one, 1 elsewhere); every other optimizer
+    # runs every collective every step (no weights: the rows stay as they were).
+    train_weights = period_weights(train_text, period) if period > 1 else {}
+    opt_weights = period_weights(opt_text, period) if period > 1 else {}
+    widths = lambda report, text, weights: [
+        {**dataclasses.asdict(c), "width": 0.5 if c.name in _promoted(text) else 1.0,
+         "weight": weights.get(c.computation, 1.0)}
         for c in report.collectives]
+    opt_flops = float(_flops(opt))
     memory = train.memory_analysis()
-    row = {"setting": s.name, "model": s.model, "variant": layout_name,
+    row = {"setting": s.name, "model": s.model, "variant": layout_name, "optim": s.optim,
+           "period": period, "base_setting": s.base or s.name,
            "mesh": ",".join(f"{k}{v}" for k, v in mesh.shape.items() if v > 1) or "1",
            "mesh_shape": dict(mesh.shape), "devices": mesh.size,
            "params_b": cfg.param_count() / 1e9, "batch": s.batch, "seq": s.seq,
            "model_flops_per_device": cfg.flops_per_token(s.seq) * s.batch * s.seq / mesh.size,
-           "opt_flops_per_device": float(_flops(opt)),
+           # XLA counts a conditional at its costlier branch: MuonBP's averaged over P.
+           "opt_flops_per_device": (opt_flops if period == 1 else
+                                    opt_flops - period_excess_flops(opt_text, period)),
+           "opt_flops_xla_per_device": opt_flops,
            "opt_flops_analytic_total": float(optimizer.flops_per_step),
-           "train_collectives": train_report.launches(),
-           "train_bytes_per_device": train_report.bytes_per_device(),
-           "opt_collectives": opt_report.launches(),
-           "opt_bytes_per_device": opt_report.bytes_per_device(),
+           "train_collectives": _launches(train_report, train_weights),
+           "train_bytes_per_device": _bytes(train_report, train_weights),
+           "opt_collectives": _launches(opt_report, opt_weights),
+           "opt_bytes_per_device": _bytes(opt_report, opt_weights),
            "state_bytes_per_device": memory.argument_size_in_bytes,
            "train_temp_bytes_per_device": memory.temp_size_in_bytes,
            "train_compile_s": train_s, "opt_compile_s": opt_s,
            "unknown_trip_counts": train_report.unknown_trip_counts,
-           "train_collective_list": widths(train_report, train_text),
-           "opt_collective_list": widths(opt_report, opt_text)}
+           "train_collective_list": widths(train_report, train_text, train_weights),
+           "opt_collective_list": widths(opt_report, opt_text, opt_weights)}
     for program in ("train", "opt"):   # at the width an accelerator sends
         row[f"{program}_gpu_bytes_per_device"] = sum(
             c.bytes_per_device * c.executions for c in collectives_of(row, program))
@@ -337,6 +391,30 @@ def compile_layout(s: Setting, layout_name: str, fwd_bwd: bool = False, devices=
         report = parse_collectives(grad.lower(state.params, tokens).compile().as_text(), mesh)
         row["fwd_bwd_bytes_per_device"] = report.bytes_per_device()
     return row
+
+
+def optimizer_period(s: Setting, layout_name: str) -> int:
+    """P: one step in P takes the true branch of the step's conditionals (the registry's
+    ``Entry.period``: MuonBP's full steps); 1 for every other optimizer and AdamW."""
+    from jmegatron.train.registry import OPTIMIZERS
+    entry = OPTIMIZERS.get(s.optim)
+    return entry.period(train_config(s, layout_name)) if entry is not None else 1
+
+
+def _launches(report, weights: dict[str, float]) -> int | float:
+    """Collective instructions run per step: per call (an int) without weights, else
+    averaged over the period (a float)."""
+    if not weights:
+        return report.launches()
+    return sum(c.executions * weights.get(c.computation, 1.0) for c in report.collectives)
+
+
+def _bytes(report, weights: dict[str, float]) -> float:
+    """Bytes one device sends per step, averaged over the period where weighted."""
+    if not weights:
+        return report.bytes_per_device()
+    return sum(c.bytes_per_device * c.executions * weights.get(c.computation, 1.0)
+               for c in report.collectives)
 
 
 _PROMOTED = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+) = \(?f32\[.*to_apply=%?[\w.\-]*promoted")
@@ -365,19 +443,22 @@ class _Coll:
     kind: str
     axes: tuple[str, ...] | None
     group_size: int
-    executions: int
+    executions: int | float      # per step: averaged over MuonBP's period (weight) if not 1
     bytes_per_device: float
 
 
 def collectives_of(row: dict, program: str) -> list[_Coll]:
-    """The ``program`` ("train" or "opt") collectives of a measured row."""
+    """The ``program`` ("train" or "opt") collectives of a measured row, each at the
+    width an accelerator sends and the share of steps it runs in."""
     from jmegatron.sharding.hlo import Collective
     out = []
     for c in row[f"{program}_collective_list"]:
         axes = tuple(c["axes"]) if c["axes"] is not None else None
-        fields = {k: v for k, v in c.items() if k != "width"}
+        fields = {k: v for k, v in c.items() if k not in ("width", "weight")}
         full = Collective(**{**fields, "axes": axes})
-        out.append(_Coll(c["kind"], axes, c["group_size"], c["executions"],
+        weight = c.get("weight", 1.0)
+        runs = c["executions"] if weight == 1.0 else c["executions"] * weight
+        out.append(_Coll(c["kind"], axes, c["group_size"], runs,
                          full.bytes_per_device * c["width"]))
     return out
 
@@ -452,7 +533,10 @@ def add_projections(rows: list[dict], hardware: list[str]) -> None:
         for hw in hardware:
             r.update(project_row(r, hw))
     for r in rows:
-        same = {x["variant"]: x for x in rows if x["setting"] == r["setting"]}
+        # Muon's layouts of the row's own setting, or of its base (a new optimizer's rows
+        # are compared with Muon's on the same model and mesh).
+        home = r.get("base_setting", r["setting"])
+        same = {x["variant"]: x for x in rows if x["setting"] == home}
         for hw, base in itertools.product(hardware, ("fsdp", OPTAX)):
             if base in same:   # the baseline's time over the row's: above 1 is faster
                 for step in ("step", "opt"):
@@ -462,9 +546,9 @@ def add_projections(rows: list[dict], hardware: list[str]) -> None:
 
 def print_model_tables(rows: list[dict], hardware: list[str]) -> None:
     columns = [("setting", "setting", ""), ("variant", "layout", ""), ("batch", "B", "d"),
-               ("train_collectives", "train colls", "d"),
+               ("train_colls_text", "train colls", ""),
                ("train_gb", "train GB/dev", ".2f"), ("train_gpu_gb", "(bf16)", ".2f"),
-               ("opt_collectives", "opt colls", "d"), ("opt_gb", "opt GB/dev", ".2f"),
+               ("opt_colls_text", "opt colls", ""), ("opt_gb", "opt GB/dev", ".2f"),
                ("state_gb", "params+state GB/dev", ".1f"), ("temp_gb", "temp GB/dev", ".1f"),
                ("compile_s", "compile s", ".0f")]
     for hw in hardware:
@@ -478,6 +562,8 @@ def print_model_tables(rows: list[dict], hardware: list[str]) -> None:
                     (f"{hw}_fits_text", "fits", "")]
     for model in dict.fromkeys(r["model"] for r in rows):
         mine = [dict(r, train_gb=r["train_bytes_per_device"] / 1e9,
+                     train_colls_text=count_text(r["train_collectives"]),
+                     opt_colls_text=count_text(r["opt_collectives"]),
                      train_gpu_gb=r["train_gpu_bytes_per_device"] / 1e9,
                      opt_gb=r["opt_bytes_per_device"] / 1e9,
                      state_gb=r["state_bytes_per_device"] / 1e9,
@@ -492,6 +578,60 @@ def print_model_tables(rows: list[dict], hardware: list[str]) -> None:
           "XLA:CPU widened from bf16 to f32 at 2 bytes, as an accelerator sends them (used "
           "by the projection). fits: params+state + temporaries <= the GPU's memory (XLA:CPU's "
           "buffer assignment: indicative only).")
+    if any(r.get("period", 1) > 1 for r in rows):
+        print("MuonBP rows (period P): collectives, their counts and bytes, and the optimizer's "
+              "FLOPs are per step averaged over P steps (one full step, P - 1 block steps); "
+              "'vs fsdp' compares with Muon's fsdp row of the same mesh.")
+
+
+def count_text(count: int | float) -> str:
+    """A collective count: an int per call, or a period's average to one decimal."""
+    return str(round(count)) if float(count).is_integer() else f"{count:.1f}"
+
+
+def optimizer_rows(rows: list[dict], hardware: list[str]) -> list[dict]:
+    """The comparison of the communication-reduced optimizers' fsdp rows with Muon's
+    layouts on the same mesh (rows with projections): per mesh, Muon's rows, then each
+    optimizer's."""
+    reduced = [r for r in rows if r.get("optim", "muon") != "muon"
+               and r.get("base_setting", r["setting"]) != r["setting"]]
+    out = []
+    for home in dict.fromkeys(r["base_setting"] for r in reduced):
+        muon = {r["variant"]: r for r in rows if r["setting"] == home}
+        base = muon.get("fsdp")
+        for r in [muon[v] for v in (*LAYOUT_NAMES, OPTAX) if v in muon] + [
+                x for x in reduced if x["base_setting"] == home]:
+            out.append({"mesh": r["mesh"], "optim": r.get("optim", "muon"), "variant":
+                        r["variant"], "period": r.get("period", 1),
+                        "opt_colls_text": count_text(r["opt_collectives"]),
+                        "opt_gb": r["opt_gpu_bytes_per_device"] / 1e9,
+                        "opt_vs_muon": (r["opt_gpu_bytes_per_device"]
+                                        / base["opt_gpu_bytes_per_device"]
+                                        if base and base["opt_gpu_bytes_per_device"] else None),
+                        "train_gb": r["train_gpu_bytes_per_device"] / 1e9,
+                        "opt_tflop": r["opt_flops_per_device"] / 1e12,
+                        **{k: r[k] for hw in hardware
+                           for k in (f"{hw}_step_ms", f"{hw}_opt_ms") if k in r}})
+    return out
+
+
+def print_optimizer_table(rows: list[dict], hardware: list[str]) -> None:
+    if not rows:
+        return
+    print("\nCommunication-reduced optimizers on fsdp next to Muon's layouts (same model, "
+          "mesh and batch); per step, MuonBP averaged over its period P:")
+    columns = [("mesh", "mesh", ""), ("optim", "optimizer", ""), ("variant", "layout", ""),
+               ("period", "P", "d"), ("opt_colls_text", "opt colls", ""),
+               ("opt_gb", "opt GB/dev", ".2f"), ("opt_vs_muon", "vs muon fsdp", ".3f"),
+               ("train_gb", "train GB/dev", ".2f"), ("opt_tflop", "opt TFLOP/dev", ".2f")]
+    for hw in hardware:
+        columns += [(f"{hw}_step_ms", f"{hw} step ms", ".0f"),
+                    (f"{hw}_opt_ms", f"{hw} opt ms", ".1f")]
+    print_table(rows, columns)
+    print("opt GB/dev, train GB/dev: bytes one device sends (bf16 all-reduces at 2 bytes); "
+          "vs muon fsdp: opt GB/dev over Muon's on the fsdp layout; opt TFLOP/dev: the "
+          "optimizer step's FLOPs (XLA's count; MuonBP's conditionals at the period's "
+          "average of their branches' matmuls).")
 
 
 def anchors(rows: list[dict]) -> list[dict]:
@@ -603,8 +743,12 @@ def selected(args) -> list[str]:
         return [setting(n).name for n in args.settings]
     if args.small:
         return ["small/fsdp8", "megatron-1.2b/tp1", "megatron-2.5b/tp2"]
+    if args.only_optimizers:   # the comparison: each optimizer setting and its Muon base
+        reduced = [s for s in SETTINGS if s.group == "optimizers"]
+        return list(dict.fromkeys(name for s in reduced for name in (s.base, s.name)))
     return [s.name for s in SETTINGS if (args.slow or not s.slow)
-            and (s.group != "megatron" or args.megatron) and s.group != "small"]
+            and (s.group != "megatron" or args.megatron) and s.group != "small"
+            and (s.group != "optimizers" or args.optimizers)]
 
 
 def parser() -> argparse.ArgumentParser:
@@ -617,6 +761,11 @@ def parser() -> argparse.ArgumentParser:
                         help="skip the Megatron-LM paper check")
     parser.add_argument("--small", action="store_true",
                         help="bench_layouts' small model and two Megatron configs only")
+    parser.add_argument("--no-optimizers", dest="optimizers", action="store_false",
+                        help=f"skip {', '.join(REDUCED_COMM)} on llama-7b's fsdp 8/32/64")
+    parser.add_argument("--only-optimizers", action="store_true",
+                        help=f"only {', '.join(REDUCED_COMM)} on llama-7b's fsdp 8/32/64 and "
+                        "Muon's llama-7b settings of the same meshes (their comparison table)")
     parser.add_argument("--out", default=None)
     return parser
 
@@ -630,6 +779,8 @@ def main(args_list: list[str] | None = None) -> list[dict]:
     scale = [r for r in rows if not r["setting"].startswith("megatron-")]
     add_projections(scale, args.hardware)
     print_model_tables(scale, args.hardware)
+    optimizers = optimizer_rows(scale, args.hardware)
+    print_optimizer_table(optimizers, args.hardware)
     anchor_rows = anchors(scale)
     if anchor_rows:
         print("\nAnchors: published optimizer-step ratios next to the projection "
@@ -642,6 +793,8 @@ def main(args_list: list[str] | None = None) -> list[dict]:
     print_megatron(megatron)
     print_assumptions(sorted({*args.hardware, "a100", "v100-dgx2h"}))
     results = [{k: v for k, v in r.items() if not k.endswith("_list")} for r in scale]
+    results += [{**r, "variant": f"optimizers: {r['optim']} {r['variant']}"}
+                for r in optimizers]
     results += [{**r, "variant": "anchor: " + r["variant"]} for r in anchor_rows]
     results += [{**r, "variant": "megatron: " + r["variant"]} for r in megatron]
     write_results("project_scale", results, args.out,

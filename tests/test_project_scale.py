@@ -14,8 +14,10 @@ from jmegatron.optim import trainable_params
 from jmegatron.sharding import cost_model as cm
 from jmegatron.sharding import hlo_collectives
 from jmegatron.train import create_train_state
+from jmegatron.train.config import MuonBPConfig
 
 SMALL = ps.setting("small/fsdp8")   # bench_layouts --small's model on fsdp = 8
+SMALL_BP = ps.setting("small/fsdp8/muon_bp")   # MuonBP on the fsdp layout of the same
 
 
 @pytest.fixture(scope="module")
@@ -33,6 +35,11 @@ def measured():
 @pytest.fixture(scope="module")
 def rows(measured):
     return {name: row for name, (_, row) in measured.items()}
+
+
+@pytest.fixture(scope="module")
+def muon_bp_row():
+    return ps.compile_layout(SMALL_BP, "fsdp")
 
 
 @pytest.mark.parametrize("layout_name", SMALL.layouts)
@@ -119,3 +126,67 @@ def test_bad_names_fail_in_one_line():
     assert out.stderr.strip().splitlines() == [
         "project_scale: unknown hardware 'tpu9'; choose one of "
         f"{tuple(cm.HARDWARE)}"]
+
+
+def test_muon_bp_collectives_count_at_the_share_of_steps_they_run_in(rows, muon_bp_row):
+    """MuonBP on fsdp 8 (period 5): only its full-step branches communicate in the
+    optimizer step, each collective weighted 1/P, so the optimizer step sends Muon's
+    fsdp bytes / P per step and the train step Muon's less (P-1)/P of them. The Muon
+    rows (period 1) carry no weight and integer counts, as before."""
+    period = MuonBPConfig().period
+    muon, bp = rows["fsdp"], muon_bp_row
+    assert bp["period"] == ps.optimizer_period(SMALL_BP, "fsdp") == period == 5
+    for row in rows.values():
+        assert row["period"] == 1 and type(row["train_collectives"]) is int
+        assert {c["weight"] for c in row["train_collective_list"] + row["opt_collective_list"]
+                } <= {1.0}
+    # No block-branch ((P-1)/P) collective and none outside the conditionals.
+    assert {c["weight"] for c in bp["opt_collective_list"]} == {1 / period}
+    assert bp["opt_bytes_per_device"] == pytest.approx(muon["opt_bytes_per_device"] / period,
+                                                       rel=1e-12)
+    assert bp["opt_gpu_bytes_per_device"] == pytest.approx(bp["opt_bytes_per_device"], rel=1e-12)
+    assert bp["train_bytes_per_device"] == pytest.approx(
+        muon["train_bytes_per_device"] - (period - 1) / period * muon["opt_bytes_per_device"],
+        rel=1e-9)
+    assert {c["weight"] for c in bp["train_collective_list"]} == {1.0, 1 / period}
+    assert bp["opt_collectives"] == pytest.approx(
+        sum(c["executions"] for c in bp["opt_collective_list"]) / period)
+    # The projection reads the weighted executions.
+    colls = ps.collectives_of(bp, "opt")
+    assert {c.executions for c in colls} == {1 / period}
+    assert sum(c.bytes_per_device * c.executions for c in colls) == pytest.approx(
+        bp["opt_bytes_per_device"], rel=1e-12)
+    # FLOPs: XLA charges each conditional its full branch (Muon's step); averaged over
+    # the period, one full step and P - 1 block steps on 1/8 blocks.
+    assert bp["opt_flops_xla_per_device"] == pytest.approx(muon["opt_flops_per_device"],
+                                                           rel=1e-3)
+    assert muon["opt_flops_per_device"] / period < bp["opt_flops_per_device"] < (
+        muon["opt_flops_per_device"] / period * 1.2)
+
+
+def test_optimizer_table_compares_with_muons_fsdp_row(rows, muon_bp_row):
+    scale = [dict(r) for r in (*rows.values(), muon_bp_row)]   # the fixtures stay as built
+    ps.add_projections(scale, ["h100"])
+    table = ps.optimizer_rows(scale, ["h100"])
+    assert [(r["optim"], r["variant"]) for r in table] == [
+        *(("muon", v) for v in SMALL.layouts), ("muon_bp", "fsdp")]
+    by = {(r["optim"], r["variant"]): r for r in table}
+    assert by["muon", "fsdp"]["opt_vs_muon"] == 1.0
+    assert by["muon_bp", "fsdp"]["opt_vs_muon"] == pytest.approx(0.2, rel=1e-12)
+    assert by["muon_bp", "fsdp"]["h100_opt_ms"] < by["muon", "fsdp"]["h100_opt_ms"]
+    # The model table's "vs fsdp" of the MuonBP row is against Muon's fsdp row.
+    bp = scale[-1]
+    assert bp["h100_opt_vs_fsdp"] == pytest.approx(by["muon", "fsdp"]["h100_opt_ms"]
+                                                   / by["muon_bp", "fsdp"]["h100_opt_ms"])
+    assert (ps.count_text(87), ps.count_text(81.4), ps.count_text(7.0)) == ("87", "81.4", "7")
+
+
+def test_optimizer_settings_selection():
+    chosen = lambda *argv: ps.selected(ps.parser().parse_args(list(argv)))
+    reduced = [s.name for s in ps.SETTINGS if s.group == "optimizers"]
+    assert len(reduced) == 6 and all(ps.setting(n).layouts == ("fsdp",) for n in reduced)
+    assert set(reduced) <= set(chosen()) and not set(reduced) & set(chosen("--no-optimizers"))
+    assert chosen("--only-optimizers") == [
+        name for n in (8, 32, 64) for name in (f"llama-7b/fsdp{n}", f"llama-7b/fsdp{n}/muon_bp",
+                                               f"llama-7b/fsdp{n}/dion2")]
+    assert "small/fsdp8/muon_bp" not in chosen()

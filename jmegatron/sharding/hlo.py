@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 import re
 from typing import Any, Callable, Sequence
 
@@ -448,6 +449,48 @@ def periodic_bytes_per_device(hlo_text: str, mesh: jax.sharding.Mesh | None,
     weights = period_weights(hlo_text, period)
     return sum(c.bytes_per_device * c.executions * weights.get(c.computation, 1.0)
                for c in parse_collectives(hlo_text, mesh).collectives)
+
+
+_SHAPED = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+) = (\w+)\[([\d,]*)\]")
+# The lhs operand's name (after its shape, where the text prints operand shapes).
+_DOT = re.compile(r" dot\((?:[^\s%]+\s)?%?([\w.\-]+).*lhs_contracting_dims=\{([\d,]*)\}")
+
+
+def _dot_flops(lines: list[str]) -> float:
+    """2 * output elements * contracted size of every dot of one computation (operand
+    shapes from the computation's own instructions and parameters)."""
+    shapes, flops = {}, 0.0
+    for line in lines:
+        m = _SHAPED.match(line)
+        if m:
+            shapes[m[1]] = [int(d) for d in m[3].split(",") if d]
+        if " dot(" not in line:
+            continue
+        dot = _DOT.search(line)
+        if m is None or dot is None or dot[1] not in shapes:   # fail, never count zero
+            raise ValueError(f"unparsed dot (has the HLO text format changed?): {line.strip()}")
+        contracted = [shapes[dot[1]][int(i)] for i in dot[2].split(",") if i]
+        flops += 2.0 * math.prod(shapes[m[1]]) * math.prod(contracted)
+    return flops
+
+
+def period_excess_flops(hlo_text: str, period: int) -> float:
+    """What XLA's cost analysis counts above the period's average: it charges each
+    two-branch conditional its costlier branch's FLOPs, where one call in ``period``
+    runs the true branch and the others the false one (``hlo.period_weights``). Counts
+    the matmul FLOPs (dots) of each branch and the computations it calls."""
+    computations, _ = _split_computations(hlo_text)
+    per_comp = {name: _dot_flops(lines) for name, lines in computations.items()}
+    excess = 0.0
+    for lines in computations.values():
+        for line in lines:
+            if " conditional(" not in line:
+                continue
+            false, true = (sum(per_comp[c] * runs for c, runs in
+                               _executions(computations, branch)[0].items())
+                           for branch in _branches(line))
+            excess += max(false, true) - (true + (period - 1) * false) / period
+    return excess
 
 
 def _within(computations: dict[str, list[str]], branch: str,
