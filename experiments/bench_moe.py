@@ -34,7 +34,7 @@ from jax.sharding import NamedSharding
 from experiments.bench_common import argv, best_time, print_table, write_results
 from jmegatron.models import GPTConfig, MoE, MoEConfig, create_sharded, state_shardings
 from jmegatron.models.dispatch import capacity_slots
-from jmegatron.optim import muon_flops, scale_by_muon
+from jmegatron.optim import PlanSpec, muon_flops, scale_by_muon
 from jmegatron.sharding import (DEFAULT_RULES, MeshConfig, activation_sharding, hlo_collectives,
                                 logical_to_spec, make_mesh, with_rules)
 
@@ -78,7 +78,7 @@ def layer_row(cfg: GPTConfig, dispatch: str, factor: float | None, mesh, params,
 
 def muon_row(name: str, mesh, experts, rules) -> dict:
     experts = jax.device_put(experts, state_shardings(experts, mesh, rules))
-    tx = scale_by_muon(mesh=mesh, rules=rules)
+    tx = scale_by_muon(plan=PlanSpec(mesh=mesh, rules=rules))
     state = tx.init(experts)
     update = jax.jit(lambda g, s: tx.update(g, s)[0])
     report = hlo_collectives(update, experts, state)

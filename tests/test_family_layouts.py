@@ -32,8 +32,8 @@ from flax import nnx
 
 from helpers import assert_restores, grads_of, optimizer_step, stepper, three_steps
 from jmegatron.models import GPT, GPTConfig
-from jmegatron.optim import (make_plan, scale_by_adaptive_muon, scale_by_mop, scale_by_muon,
-                             scale_by_rekls, trainable_params)
+from jmegatron.optim import (PlanSpec, make_plan, scale_by_adaptive_muon, scale_by_mop,
+                             scale_by_muon, scale_by_rekls, trainable_params)
 from jmegatron.sharding import MeshConfig, hlo_collectives, make_mesh
 from jmegatron.sharding.layouts import LAYOUTS, make_layout
 from jmegatron.train import create_train_state
@@ -87,7 +87,7 @@ def built(name: str, layout_name: str, mesh_config: MeshConfig):
     make_model = lambda: GPT(dataclasses.replace(MODEL, **layout.stack_fields),
                              nnx.Rngs(0))
     plan = make_plan(nnx.split(nnx.eval_shape(make_model))[1], mesh, layout)
-    tx = TRANSFORMS[name](mesh=mesh, layout=layout)
+    tx = TRANSFORMS[name](plan=PlanSpec(mesh=mesh, layout=layout))
     _, state = create_train_state(make_model, tx, plan)
     return layout, tx, state, plan
 

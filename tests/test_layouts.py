@@ -116,7 +116,7 @@ def test_layerwise_newton_schulz_skips_padding_slots(fsdp8):
     """A stack of 6 matrices on 8 owners: ranks 6 and 7 hold only padding and skip
     it (a conditional in the compiled step); the update equals one device's. A
     stack of 8 has no padding and no conditional."""
-    from jmegatron.optim import scale_by_muon
+    from jmegatron.optim import PlanSpec, scale_by_muon
     from jmegatron.models import state_shardings
 
     def update(layers, mesh):
@@ -125,7 +125,8 @@ def test_layerwise_newton_schulz_skips_padding_slots(fsdp8):
             out_sharding=("layers", "embed", "mlp"), eager_sharding=False)})
         if mesh is not None:
             grads = jax.device_put(grads, state_shardings(grads, mesh))
-        tx = scale_by_muon(mesh=mesh, layout=None if mesh is None else "layerwise")
+        layout = None if mesh is None else "layerwise"
+        tx = scale_by_muon(plan=PlanSpec(mesh=mesh, layout=layout))
         step = jax.jit(lambda g: tx.update(g, tx.init(g))[0])
         return step(grads), step.lower(grads).compile().as_text()
 

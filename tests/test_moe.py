@@ -22,7 +22,7 @@ from jmegatron.models import (GPT, GPTConfig, MoE, MoEConfig, balance_expert_bia
 from jmegatron.models import dispatch
 from jmegatron.models.config import ConfigError
 from jmegatron.models.moe import ExpertBias
-from jmegatron.optim import describe, make_plan, muon, scale_by_muon, trainable_params
+from jmegatron.optim import PlanSpec, describe, make_plan, muon, scale_by_muon, trainable_params
 from jmegatron.sharding import (DEFAULT_RULES, MeshConfig, activation_sharding,
                                 logical_to_spec, make_mesh, parse_collectives)
 from jmegatron.sharding.layouts import make_layout
@@ -275,7 +275,7 @@ def expert_muon_step(mesh_config, layout=None):
                     "down": param(1, (2, e, f, d), ("layers", "experts", "mlp", "embed"))},
                    mesh)
     experts = grads   # Muon's state only needs their shapes and shardings
-    tx = scale_by_muon(mesh=mesh, layout=layout)
+    tx = scale_by_muon(plan=PlanSpec(mesh=mesh, layout=layout))
     update = jax.jit(lambda g, s: tx.update(g, s)[0])
     state = tx.init(experts)
     compiled = update.lower(grads, state).compile()

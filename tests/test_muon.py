@@ -9,10 +9,9 @@ import pytest
 from flax import nnx
 
 from jmegatron.models import GPT, GPTConfig
-from jmegatron.optim import (MATRIX, MatrixSpec, MuonState, Route, Routing, describe, labels,
-                             make_plan, muon, muon_flops, newton_schulz, ns_flops, route,
-                             scale_by_muon,
-                             update_scale)
+from jmegatron.optim import (MATRIX, MatrixSpec, MuonState, PlanSpec, Route, Routing, describe,
+                             labels, make_plan, muon, muon_flops, newton_schulz, ns_flops, route,
+                             scale_by_muon, update_scale)
 
 SHAPES = {"w_square": (32, 32), "w_wide": (16, 48), "w_tall": (48, 24)}
 
@@ -133,7 +132,8 @@ def blocks_of(qkv, g):
 
 @pytest.mark.parametrize("per_head", [False, True])
 def test_fused_qkv_is_orthogonalized_block_by_block(gpt_params, per_head):
-    tx = scale_by_muon(routing=Routing(per_head=per_head), scale="spectral", rms_factor=1.0)
+    tx = scale_by_muon(scale="spectral", rms_factor=1.0,
+                       plan=PlanSpec(routing=Routing(per_head=per_head)))
     qkv = {"qkv": gpt_params["blocks"]["attn"]["qkv"]}
     grads = jax.tree.map(lambda p: jax.random.normal(jax.random.key(1), p.shape), qkv)
     u, _ = tx.update(grads, tx.init(qkv))
@@ -191,7 +191,7 @@ def test_an_unmatched_leaf_raises_until_a_custom_rule_decides_it():
         muon(0.1).init({"conv": jnp.ones((3, 3, 8)), "w": jnp.ones((4, 4))})
     conv = Route(MATRIX, "conv as [9, 8] matrices", MatrixSpec((0, 1), (2,)))
     custom = Routing(custom=lambda path, shape, logical: conv if "conv" in path else None)
-    state = muon(0.1, routing=custom).init({"conv": jnp.ones((3, 3, 8))})
+    state = muon(0.1, plan=PlanSpec(routing=custom)).init({"conv": jnp.ones((3, 3, 8))})
     assert "matrices" in describe({"conv": jnp.ones((3, 3, 8))}, custom)
     assert jax.tree.leaves(state)
 

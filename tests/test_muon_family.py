@@ -11,8 +11,9 @@ import numpy as np
 import optax
 import pytest
 
-from jmegatron.optim import (MATRIX, MatrixSpec, Route, Routing, adaptive_muon, coefficient_set,
-                             mop, muon, scale_by_adaptive_muon, scale_by_mop, scale_by_muon)
+from jmegatron.optim import (MATRIX, MatrixSpec, PlanSpec, Route, Routing, adaptive_muon,
+                             coefficient_set, mop, muon, scale_by_adaptive_muon, scale_by_mop,
+                             scale_by_muon)
 from jmegatron.optim.matrix import WEIGHT_DECAY_METHODS
 
 SHAPES = {"square": (6, 6), "wide": (5, 8), "tall": (8, 5), "stack": (2, 6, 7)}
@@ -73,15 +74,16 @@ class Reference:
 
 
 VARIANTS = {
-    "mop": (lambda: scale_by_mop(beta=BETA, routing=ROUTING), dict(kind="mop")),
+    "mop": (lambda: scale_by_mop(beta=BETA, plan=PlanSpec(routing=ROUTING)), dict(kind="mop")),
     "mop_spectral_nesterov": (
-        lambda: scale_by_mop(beta=BETA, nesterov=True, scale="spectral", routing=ROUTING),
+        lambda: scale_by_mop(beta=BETA, nesterov=True, scale="spectral",
+                             plan=PlanSpec(routing=ROUTING)),
         dict(kind="mop", nesterov=True, scale="spectral")),
     **{kind: (lambda kind=kind: scale_by_adaptive_muon(
-        second_moment=kind, beta=BETA, beta2=BETA2, eps=EPS, routing=ROUTING),
+        second_moment=kind, beta=BETA, beta2=BETA2, eps=EPS, plan=PlanSpec(routing=ROUTING)),
         dict(kind=kind)) for kind in ("adamuon", "normuon", "namo")},
     "normuon_nesterov": (lambda: scale_by_adaptive_muon(
-        second_moment="normuon", beta=BETA, nesterov=True, routing=ROUTING),
+        second_moment="normuon", beta=BETA, nesterov=True, plan=PlanSpec(routing=ROUTING)),
         dict(kind="normuon", nesterov=True)),
 }
 
@@ -110,7 +112,7 @@ def test_equals_its_equations_in_float64(variant):
 def test_mop_of_a_zero_momentum_is_zero():
     """A zero matrix has no polar factor; its singular vectors are arbitrary, so
     MOP's update (any scale mode) must be zero rather than an arbitrary rotation."""
-    tx = scale_by_mop(scale="spectral", routing=ROUTING)
+    tx = scale_by_mop(scale="spectral", plan=PlanSpec(routing=ROUTING))
     params = {"w": jnp.zeros((4, 6))}
     updates, _ = tx.update(params, tx.init(params))
     assert float(jnp.abs(updates["w"]).max()) == 0.0
@@ -122,8 +124,8 @@ def test_weight_decay_methods_follow_their_formulas(method):
     its input, decoupled gives -lr (d + wd p), independent -lr d - wd p, l2 -lr d(g +
     wd p), palm -lr d - lr^2 wd p, with p the weights before the step."""
     lr, wd = (lambda count: 0.1 / (1.0 + count)), 0.05
-    tx = muon(lr, weight_decay=wd, weight_decay_method=method, routing=ROUTING)
-    direction = scale_by_muon(routing=ROUTING)
+    tx = muon(lr, weight_decay=wd, weight_decay_method=method, plan=PlanSpec(routing=ROUTING))
+    direction = scale_by_muon(plan=PlanSpec(routing=ROUTING))
     p = {"w": jnp.asarray(np.random.default_rng(9).standard_normal((6, 8)), jnp.float32)}
     state, inner = tx.init(p), direction.init(p)
     update, inner_update = jax.jit(tx.update), jax.jit(direction.update)

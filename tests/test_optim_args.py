@@ -17,10 +17,11 @@ from jmegatron.optim import (AdamW, adaptive_muon, descend, dion2, make_plan, mo
 from jmegatron.sharding import MeshConfig, make_mesh
 
 NAN, INF = float("nan"), float("inf")
-OPTIMIZERS = {"muon": muon, "muon_bp": muon_bp, "mop": mop, "adaptive_muon": adaptive_muon, "soap": soap,
-              "rekls": rekls, "dion2": dion2}
+OPTIMIZERS = {"muon": muon, "muon_bp": muon_bp, "mop": mop, "adaptive_muon": adaptive_muon,
+              "soap": soap, "rekls": rekls, "dion2": dion2}
 DIRECTIONS = {"muon": scale_by_muon, "muon_bp": scale_by_muon_bp, "mop": scale_by_mop,
-              "adaptive_muon": scale_by_adaptive_muon, "soap": scale_by_soap, "rekls": scale_by_rekls, "dion2": scale_by_dion2}
+              "adaptive_muon": scale_by_adaptive_muon, "soap": scale_by_soap,
+              "rekls": scale_by_rekls, "dion2": scale_by_dion2}
 BAD_LEARNING_RATES = ["abc", NAN, INF, -INF, 0, 0.0, -1e-3, None, True, [1e-3], jnp.ones(2)]
 
 # (argument, bad value, what the message shows of it) of each direction's own options;
@@ -32,7 +33,8 @@ BAD_OPTIONS = {
              ("scale", "max", "'max'"), ("momentum_dtype", jnp.int32, "int32"),
              ("matmul_dtype", "int8", "int8"), ("tp_mode", "fast", "'fast'")],
     "muon_bp": [("period", 0, "0"), ("period", 2.0, "2.0"), ("block_lr_ratio", 0.0, "0.0"),
-                ("block_lr_ratio", NAN, "nan"), ("beta", 1.0, "1.0"), ("tp_mode", "fast", "'fast'")],
+                ("block_lr_ratio", NAN, "nan"), ("beta", 1.0, "1.0"),
+                ("tp_mode", "fast", "'fast'")],
     "mop": [("beta", 1.5, "1.5"), ("rms_factor", -1.0, "-1.0"),
             ("momentum_dtype", "int32", "int32")],
     "adaptive_muon": [("beta2", 1.0, "1.0"), ("eps", 0.0, "0.0"), ("eps", -1e-8, "-1e-08"),

@@ -18,7 +18,7 @@ from flax import nnx
 
 from jmegatron.models import GPT, GPTConfig
 from jmegatron.models.sharded import create_sharded
-from jmegatron.optim import make_plan, muon, scale_by_muon, trainable_params
+from jmegatron.optim import PlanSpec, make_plan, muon, scale_by_muon, trainable_params
 from jmegatron.sharding import MeshConfig, hlo_collectives, make_mesh
 from jmegatron.sharding.layouts import LAYOUTS, make_layout
 from jmegatron.train import create_train_state
@@ -42,7 +42,7 @@ CHAINS = {
     "multi_steps": lambda **where: optax.MultiSteps(muon(LR, **where), every_k_schedule=2),
     "chain": lambda **where: optax.chain(   # with a learning rate the user can change
         optax.clip_by_global_norm(1.0),
-        optax.inject_hyperparams(muon, static_args=("mesh", "layout"))(learning_rate=LR, **where),
+        optax.inject_hyperparams(muon, static_args=("plan",))(learning_rate=LR, **where),
         optax.scale(1.0)),
     "multi_transform": lambda **where: optax.multi_transform(
         {"matrix": optax.chain(scale_by_muon(**where), optax.scale(-LR)),
@@ -67,7 +67,7 @@ def built(chain: str, layout_name: str):
     layout = make_layout(layout_name, mesh.shape)
     make_model = lambda: GPT(config(layout), nnx.Rngs(0))
     plan = make_plan(nnx.split(nnx.eval_shape(make_model))[1], mesh, layout)
-    tx = CHAINS[chain](mesh=mesh, layout=layout)
+    tx = CHAINS[chain](plan=PlanSpec(mesh=mesh, layout=layout))
     _, state = create_train_state(make_model, tx, plan)
     return layout, plan, tx, state, jax.jit(tx.init)(trainable_params(state.params))
 

@@ -40,7 +40,7 @@ import numpy as np
 import optax
 import pytest
 
-from jmegatron.optim import MatrixSpec, Route, Routing
+from jmegatron.optim import MatrixSpec, PlanSpec, Route, Routing
 from jmegatron.optim.rekls import rekls, rekls_block, rekls_flops, scale_by_rekls
 from jmegatron.optim.routing import MATRIX
 from jmegatron.optim.soap import _empty_factors
@@ -122,7 +122,7 @@ def against_reference(shape, max_dim, eps, first_step=1, by_norm=False):
     element-wise, or ``by_norm`` (|got - want|_F / |want|_F)."""
     grads = stacked_streams(shape)
     tx = scale_by_rekls(b1=B1, b2=B2, shampoo_beta=SB, eps=eps, max_precond_dim=max_dim,
-                        routing=STACK)
+                        plan=PlanSpec(routing=STACK))
     got, _ = run(tx, grads)
     for k in range(2):
         paper = PaperREKLS(*shape, max_dim, eps)
@@ -175,7 +175,7 @@ def test_square_block_from_step_two_and_the_first_step_polar_factor():
 def test_identity_bases_are_adam():
     rng = np.random.default_rng(3)
     grads = [{"w": jnp.asarray(rng.standard_normal((4, 7)), jnp.float32)} for _ in range(STEPS)]
-    tx = scale_by_rekls(b1=B1, b2=B2, eps=EPS, max_precond_dim=0, routing=STACK)
+    tx = scale_by_rekls(b1=B1, b2=B2, eps=EPS, max_precond_dim=0, plan=PlanSpec(routing=STACK))
     got, _ = run(tx, [{"w": g["w"][None]} for g in grads])
     want, _ = run(optax.scale_by_adam(b1=B1, b2=B2, eps=EPS), grads)
     for a, b in zip(got, want):
@@ -189,7 +189,7 @@ def test_bases_stay_orthonormal_and_state_finite_on_rank_deficient_gradients():
     rng = np.random.default_rng(0)
     u, v = rng.standard_normal((2, 8, 1)), rng.standard_normal((2, 1, 6))
     grads = [{"w": jnp.asarray((u @ v) * (i % 3 != 0), jnp.float32)} for i in range(8)]
-    got, state = run(scale_by_rekls(routing=STACK), grads)
+    got, state = run(scale_by_rekls(plan=PlanSpec(routing=STACK)), grads)
     assert all(bool(jnp.all(jnp.isfinite(d["w"]))) for d in got)
     assert all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree.leaves(state))
     assert float(jnp.abs(got[0]["w"]).max()) == 0.0      # a zero gradient moves nothing

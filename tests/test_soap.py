@@ -11,7 +11,7 @@ import numpy as np
 import optax
 import pytest
 
-from jmegatron.optim import AdamW, MatrixSpec, Route, Routing, scale_by_soap, soap
+from jmegatron.optim import AdamW, MatrixSpec, PlanSpec, Route, Routing, scale_by_soap, soap
 from jmegatron.optim.routing import MATRIX
 
 B1, B2, EPS, FREQ = 0.9, 0.95, 1e-8, 5
@@ -107,7 +107,7 @@ def test_equals_the_papers_algorithm_step_by_step(shape, max_dim):
     grads = [{"w": jnp.asarray(np.stack([s[i] for s in streams]), jnp.float32)}
              for i in range(STEPS)]
     tx = scale_by_soap(b1=B1, b2=B2, eps=EPS, precondition_frequency=FREQ,
-                       max_precond_dim=max_dim, routing=STACK)
+                       max_precond_dim=max_dim, plan=PlanSpec(routing=STACK))
     got, _ = run_soap(tx, grads)
     for k, stream in enumerate(streams):
         paper = PaperSOAP(*shape, max_dim)
@@ -119,7 +119,7 @@ def test_equals_the_papers_algorithm_step_by_step(shape, max_dim):
 
 def test_identity_bases_are_adam():
     grads = [{"w": jnp.asarray(g, jnp.float32)} for g in gradient_stream((4, 7), 3)]
-    tx = scale_by_soap(b1=B1, b2=B2, eps=EPS, max_precond_dim=0, routing=STACK)
+    tx = scale_by_soap(b1=B1, b2=B2, eps=EPS, max_precond_dim=0, plan=PlanSpec(routing=STACK))
     got, _ = run_soap(tx, [{"w": g["w"][None]} for g in grads])
     want, _ = run_soap(optax.scale_by_adam(b1=B1, b2=B2, eps=EPS), grads)
     for a, b in zip(got, want):
@@ -151,7 +151,7 @@ def test_the_first_step_leaves_preconditioned_matrices_exactly_as_they_are():
     rng = np.random.default_rng(0)
     params = {"w": jnp.asarray(rng.standard_normal((2, 4, 6)), jnp.float32),    # preconditioned
               "wide": jnp.asarray(rng.standard_normal((2, 9, 9)), jnp.float32)}  # max_dim 8: Adam
-    tx = soap(1e-2, weight_decay=0.1, max_precond_dim=8, routing=STACK)
+    tx = soap(1e-2, weight_decay=0.1, max_precond_dim=8, plan=PlanSpec(routing=STACK))
     state, update = tx.init(params), jax.jit(tx.update)
     grads = lambda: jax.tree.map(lambda x: jnp.asarray(rng.standard_normal(x.shape), x.dtype),
                                  params)
@@ -170,7 +170,7 @@ def test_bases_stay_orthonormal_and_state_finite_on_rank_deficient_gradients():
     rng = np.random.default_rng(0)
     u, v = rng.standard_normal((2, 8, 1)), rng.standard_normal((2, 1, 6))
     grads = [{"w": jnp.asarray((u @ v) * (i % 3 != 2), jnp.float32)} for i in range(STEPS)]
-    tx = scale_by_soap(precondition_frequency=2, routing=STACK)
+    tx = scale_by_soap(precondition_frequency=2, plan=PlanSpec(routing=STACK))
     got, state = run_soap(tx, grads)
     assert all(bool(jnp.all(jnp.isfinite(d["w"]))) for d in got)
     assert all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree.leaves(state))

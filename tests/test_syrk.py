@@ -17,7 +17,8 @@ import optax
 import pytest
 from flax import nnx
 
-from jmegatron.optim import (TensorParallel, muon, newton_schulz, ns_flops, tp_newton_schulz)
+from jmegatron.optim import (PlanSpec, TensorParallel, muon, newton_schulz, ns_flops,
+                             tp_newton_schulz)
 from jmegatron.optim.kernels import resolve_backend, syrk, syrk_flops, syrk_plan, tile_of
 from jmegatron.optim.kernels.syrk_kernel import syrk_call
 from jmegatron.sharding import DEFAULT_RULES, MeshConfig, logical_to_spec, make_mesh
@@ -286,7 +287,7 @@ def test_muon_step_on_a_mesh_with_syrk_equals_without():
     grads = {"w": param(jax.random.key(10))}
 
     def update(syrk):
-        tx = muon(0.02, steps=2, syrk=syrk, mesh=mesh, layout="fsdp")
+        tx = muon(0.02, steps=2, syrk=syrk, plan=PlanSpec(mesh=mesh, layout="fsdp"))
         state = tx.init(params)
         assert kernel_calls(tx.update, grads, state, params) == (4 if syrk else 0)
         return jax.jit(tx.update)(grads, state, params)[0]

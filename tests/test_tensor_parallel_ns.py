@@ -9,7 +9,7 @@ import pytest
 from flax import nnx
 
 from jmegatron.models import GPT, GPTConfig, create_sharded
-from jmegatron.optim import (Routing, TensorParallel, TPCostModel, describe, muon,
+from jmegatron.optim import (PlanSpec, Routing, TPCostModel, TensorParallel, describe, muon,
                              newton_schulz, scale_by_muon, tp_newton_schulz, update_scale)
 from jmegatron.optim.tensor_parallel import tp_note
 from jmegatron.sharding import (DEFAULT_RULES, MeshConfig, hlo_collectives, logical_to_spec,
@@ -136,7 +136,7 @@ def test_muon_step_on_the_tensor_parallel_gpt_equals_one_device(mode, mesh_confi
     sharded = create_sharded(lambda: GPT(CFG, nnx.Rngs(0)), mesh)
     shard = lambda tree: jax.tree.map(
         lambda a, s: jax.device_put(a, s[...].sharding), tree, nnx.state(sharded, nnx.Param))
-    tx = muon(0.01, tp_mode=mode, mesh=mesh, rules=DEFAULT_RULES)
+    tx = muon(0.01, tp_mode=mode, plan=PlanSpec(mesh=mesh, rules=DEFAULT_RULES))
     p, g = shard(params), shard(grads)
     got = jax.jit(tx.update)(g, tx.init(p), p)[0]
     chex.assert_trees_all_close(got, want, rtol=1e-5, atol=1e-7)
@@ -161,7 +161,7 @@ def test_blockwise_scales_each_block_by_its_own_shape():
     down = {"down": down["blocks"]["mlp"]["down"]}                   # [L, F, D], F split 4 ways
     grads = jax.tree.map(lambda p: jax.device_put(
         jax.random.normal(jax.random.key(3), p.shape), p[...].sharding), down)
-    tx = scale_by_muon(tp_mode="blockwise", mesh=mesh, rules=DEFAULT_RULES)
+    tx = scale_by_muon(tp_mode="blockwise", plan=PlanSpec(mesh=mesh, rules=DEFAULT_RULES))
     got = jax.jit(tx.update)(grads, tx.init(down))[0]["down"][...]
     g = np.asarray(grads["down"][...])
     f, d = CFG.d_ff // 4, CFG.d_model

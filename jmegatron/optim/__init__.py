@@ -6,7 +6,7 @@ from jmegatron.optim.dion2 import (DION2_COEFFICIENTS, Dion2State, dion2, dion2_
                                    scale_by_dion2)
 from jmegatron.optim.muon import (MOONLIGHT_RMS, MuonState, muon, muon_flops, scale_by_muon,
                                   update_scale)
-from jmegatron.optim.matrix import (WEIGHT_DECAY_METHODS, AdamW, descend,
+from jmegatron.optim.matrix import (WEIGHT_DECAY_METHODS, AdamW, PlanSpec, descend,
                                     scale_by_matrix_optimizer)
 from jmegatron.optim.muon_bp import muon_bp, scale_by_muon_bp
 from jmegatron.optim.mop import mop, mop_flops, polar_factor, scale_by_mop
@@ -33,7 +33,7 @@ __all__ = [
     "scale_by_rekls", "rekls", "rekls_block", "rekls_flops",
     "Routing", "Route", "MatrixSpec", "Piece", "route", "labels", "leaf_routes", "describe",
     "map_matrices", "to_matrices", "from_matrices", "matrix_pieces", "ADAMW", "MATRIX", "LeafRoute",
-    "AdamW", "descend", "WEIGHT_DECAY_METHODS", "scale_by_matrix_optimizer", "ShardingPlan", "LeafPlan", "make_plan",
+    "AdamW", "PlanSpec", "descend", "WEIGHT_DECAY_METHODS", "scale_by_matrix_optimizer", "ShardingPlan", "LeafPlan", "make_plan",
     "matrix_state", "trainable_params",
     "TP_MODES", "TensorParallel", "TPCostModel", "tp_newton_schulz",
 ]

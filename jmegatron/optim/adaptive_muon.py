@@ -25,16 +25,14 @@ import optax
 
 from jmegatron.optim import checks
 from jmegatron.optim.coefficients import CoefficientSet
-from jmegatron.optim.matrix import (AdamW, PlanSource, WeightDecayMethod, descend, held_zeros,
-                                    scale_by_matrix_optimizer, with_adamw)
+from jmegatron.optim.matrix import (AdamW, PlanLike, PlanSource, WeightDecayMethod, descend,
+                                    held_zeros, scale_by_matrix_optimizer, with_adamw)
 from jmegatron.optim.muon import (ScaleMode, check_momentum_args, momentum_step,
                                   newton_schulz_blocks, update_scale)
 from jmegatron.optim.newton_schulz import NSMethod
-from jmegatron.optim.plan import BLOCKS, HELD, LeafPlan, ShardingPlan, matrix_state
-from jmegatron.optim.routing import Routing, from_matrices, to_matrices
+from jmegatron.optim.plan import BLOCKS, HELD, LeafPlan, matrix_state
+from jmegatron.optim.routing import from_matrices, to_matrices
 from jmegatron.optim.tensor_parallel import TPMode
-from jmegatron.sharding.layouts import Layout
-from jmegatron.sharding.rules import DEFAULT_RULES, Rules
 
 SecondMoment = Literal["adamuon", "normuon", "namo"]
 
@@ -91,11 +89,9 @@ def scale_by_adaptive_muon(*, second_moment: SecondMoment = "adamuon", beta2: fl
                            coefficients: str | CoefficientSet | tuple = "quintic",
                            steps: int | None = None, scale: ScaleMode = "spectral",
                            rms_factor: float | None = None, momentum_dtype=None,
-                           matmul_dtype="float32", routing: Routing = Routing(),
-                           tp_mode: TPMode = "auto", mesh: jax.sharding.Mesh | None = None,
-                           layout: Layout | str | None = None, rules: Rules = DEFAULT_RULES,
+                           matmul_dtype="float32", tp_mode: TPMode = "auto",
                            syrk: bool | str = False, ns_method: NSMethod = "standard",
-                           plan: ShardingPlan | None = None) -> optax.GradientTransformation:
+                           plan: PlanLike = None) -> optax.GradientTransformation:
     """Adaptive Muon's direction for matrix leaves: Muon's, normalized by a second moment.
 
     EMA momentum (``g`` weighted ``1 - beta``), Newton-Schulz, ``second_moment``
@@ -124,19 +120,14 @@ def scale_by_adaptive_muon(*, second_moment: SecondMoment = "adamuon", beta2: fl
       momentum_dtype: the dtype the momentum is stored in; None: the param's (the
         second moment is fp32).
       matmul_dtype: the dtype of Newton-Schulz's matmul operands.
-      routing: which leaves are matrices and how each splits into blocks
-        (``Routing``); every leaf this transformation sees must be a matrix.
       tp_mode: Newton-Schulz of matrices split over the tensor axis (see
         ``scale_by_muon``).
-      mesh: the device mesh; None: no ``shard_map``.
-      layout: a ``Layout`` or its name; None: "fsdp" (with a mesh).
-      rules: the logical-to-mesh axis rules a layout given by name (or None) is
-        built on.
       syrk: Newton-Schulz's symmetric products on the SYRK kernel: False, True or a
         backend name.
       ns_method: "standard", "gram" or "auto" (see ``newton_schulz``).
-      plan: a ``ShardingPlan`` replacing ``routing``, ``mesh``, ``layout`` and
-        ``rules`` (see ``scale_by_muon``).
+      plan: where the matrices live: a ``ShardingPlan`` (``make_plan``), or a
+        ``PlanSpec`` (routing, mesh, layout, rules) to make one from each tree
+        the transformation sees; None: ``PlanSpec()``, one device.
 
     Returns:
       An ``optax.GradientTransformation`` whose updates are the scaled normalized
@@ -157,7 +148,7 @@ def scale_by_adaptive_muon(*, second_moment: SecondMoment = "adamuon", beta2: fl
     checks.positive("eps", eps)   # a zero gradient gives O = 0 and v = 0: 0 / 0
     check_momentum_args(beta, rms_factor, momentum_dtype)
     checks.one_of("scale", scale, get_args(ScaleMode))
-    source = PlanSource(plan, routing, mesh, layout, rules)
+    source = PlanSource.of(plan)
     orthogonal_blocks = newton_schulz_blocks(coefficients, steps, matmul_dtype, syrk, ns_method,
                                              tp_mode, source.placed_on)
     elementwise = second_moment == "adamuon"
@@ -195,10 +186,9 @@ def adaptive_muon(learning_rate: optax.ScalarOrSchedule, *,
                   steps: int | None = None, scale: ScaleMode = "spectral",
                   rms_factor: float | None = None, weight_decay: float = 0.0,
                   weight_decay_method: WeightDecayMethod = "decoupled", momentum_dtype=None,
-                  matmul_dtype="float32", routing: Routing = Routing(), tp_mode: TPMode = "auto",
-                  mesh: jax.sharding.Mesh | None = None, layout: Layout | str | None = None,
-                  rules: Rules = DEFAULT_RULES, syrk: bool | str = False,
-                  ns_method: NSMethod = "standard", plan: ShardingPlan | None = None,
+                  matmul_dtype="float32", tp_mode: TPMode = "auto",
+                  syrk: bool | str = False,
+                  ns_method: NSMethod = "standard", plan: PlanLike = None,
                   adamw: AdamW = AdamW()) -> optax.GradientTransformation:
     """Adaptive Muon for hidden matrices, AdamW for the other leaves.
 
@@ -226,16 +216,12 @@ def adaptive_muon(learning_rate: optax.ScalarOrSchedule, *,
         ``descend``).
       momentum_dtype: the dtype the momentum is stored in; None: the param's.
       matmul_dtype: the dtype of Newton-Schulz's matmul operands.
-      routing: which leaves are matrices and how each splits into blocks.
       tp_mode: Newton-Schulz of matrices split over the tensor axis.
-      mesh: the device mesh; None: no ``shard_map``.
-      layout: a ``Layout`` or its name; None: "fsdp" (with a mesh).
-      rules: the logical-to-mesh axis rules a layout given by name (or None) is
-        built on.
       syrk: Newton-Schulz's symmetric products on the SYRK kernel.
       ns_method: "standard", "gram" or "auto".
-      plan: a ``ShardingPlan`` replacing ``routing``, ``mesh``, ``layout`` and
-        ``rules``.
+      plan: where the matrices live: a ``ShardingPlan`` (``make_plan``), or a
+        ``PlanSpec`` (routing, mesh, layout, rules) to make one from each tree
+        the transformation sees; None: ``PlanSpec()``, one device.
       adamw: the AdamW of the other leaves (``AdamW``).
 
     Returns:
@@ -248,12 +234,11 @@ def adaptive_muon(learning_rate: optax.ScalarOrSchedule, *,
     """
     if second_moment == "namo" and weight_decay_method == "l2" and weight_decay:
         raise ValueError('second_moment="namo" does not combine with weight_decay_method="l2"')
-    source = PlanSource(plan, routing, mesh, layout, rules)
+    source = PlanSource.of(plan)
     direction = scale_by_adaptive_muon(
         second_moment=second_moment, beta2=beta2, eps=eps, beta=beta, nesterov=nesterov,
         coefficients=coefficients, steps=steps, scale=scale, rms_factor=rms_factor,
-        momentum_dtype=momentum_dtype, matmul_dtype=matmul_dtype, routing=routing,
-        tp_mode=tp_mode, mesh=mesh, layout=layout, rules=rules, syrk=syrk, ns_method=ns_method,
-        plan=plan)
+        momentum_dtype=momentum_dtype, matmul_dtype=matmul_dtype, tp_mode=tp_mode, syrk=syrk,
+        ns_method=ns_method, plan=plan)
     matrix = descend(direction, learning_rate, weight_decay, weight_decay_method)
     return with_adamw("adaptive_muon", matrix, source, learning_rate, adamw)

@@ -55,10 +55,60 @@ this module does:
 Beyond the reference: fused QKV/SwiGLU leaves are split into blocks as Muon
 splits them, each selected, orthogonalized and scaled on its own (the
 reference refuses ``split_sizes`` for Dion2 and scales by the whole param).
-Under a mesh each block runs in ``jax.shard_map`` on the devices that hold its
-state (``matrix.on_owners``, as MOP): selection is always on whole matrices,
-the reference's ``selection_scope="global"``; its default "local" takes a
-per-shard top-k along the FSDP2 shard dim, which depends on the sharding.
+
+Under a mesh (what moves, per device and optimizer step; ring collectives as
+``jmegatron.sharding.hlo`` counts them; fp32, 4 bytes an element; a matrix's
+s slices along the selected dim have t entries each; k = ``selected_count``;
+the held state splits the matrix g ways; r = (g - 1) / g):
+
+- **Whole matrices on their devices** (owner, layerwise, replicated layouts; no
+  mesh): each block's step runs in ``jax.shard_map`` over its stack on the
+  devices holding its state (``matrix.on_owners``, as MOP); no collective.
+  ``selection="local"`` is the global selection there (the reference's too:
+  off its row-sharded path the scope is a no-op).
+- **One side split** (the ``fsdp`` layout: ``embed`` over ``fsdp``; exactly
+  one matrix dim of the view split over mesh axes other than ``tensor``, in
+  contiguous blocks: ``matrix_split``): one ``jax.shard_map`` per leaf whose
+  in_specs are the held spec, so each device keeps its own shard and nothing
+  gathers the whole matrix (``sharded_dion2_block``). Muon on fsdp (and this
+  module before) all-gathers every whole matrix: r s t.
+
+  ``selection="global"`` (default): the single-device selection (the shorter
+  side), equal to ``dion2_block`` to fp32 round-off. The L1 norms are summed
+  locally and combined: t split, a psum of the s partial sums (2 r s); s split,
+  an all-gather of the s local norms (r s). Every device takes the same top-k
+  (``jax.lax.top_k``, ties by the lower index). The [k, t] submatrix is
+  assembled from the selected slices only: t split, an all-gather of each
+  device's [k, t/g] along t (r k t, alpha of Muon's bytes); s split, each
+  device writes the selected slices it holds into a zero [k, t] and a psum
+  adds them (2 r k t, 2 alpha of a whole-matrix gather: an all-reduce is a
+  reduce-scatter and an all-gather). A fixed-size all-gather cannot do the
+  latter: how many of the k slices a shard holds depends on the data (0 to
+  min(k, s/g)), and padding every shard to min(k, s/g) rows sends g min(k, s/g)
+  t, the whole matrix once alpha >= 1/g. Adding zeros is exact, so the
+  submatrix is bitwise one device's. Total: 2 r s + r k t (t split),
+  r s + 2 r k t (s split); ``sharded_bytes``.
+
+  ``selection="local"`` (microsoft/dion's default ``selection_scope`` for its
+  FSDP2 row-sharded path): the slices along the split dim (as the reference,
+  which aligns ``select_dim`` with the shard dim even where that is the longer
+  side); each shard takes its own top k_local = ``selected_count(fraction,
+  s/g)`` (the reference's ``max(1, ceil(fraction * ceil(s / g)))``), a fixed
+  count, so one all-gather of [k_local, t] per device gives the [g k_local, t]
+  submatrix: r g k_local t, alpha of Muon's bytes, no norm exchange. The
+  selection depends on the sharding (the union of per-shard top-k's).
+
+  Either way the submatrix is orthogonalized on every device of the shard
+  group (duplicated work, as Muon on fsdp; the reference instead spreads the
+  matrices of a same-shape batch over its ranks with all-to-alls) and each
+  device keeps its own part of the update and of the error-feedback decay.
+  Measured (tests/test_dion2.py's 3-layer d=32 model, fsdp 8, alpha 0.25):
+  global 45,696 bytes per device, local 24,192, Muon 96,768; the default model
+  (d=128, 2 layers, d_ff 384): global 637,952, local 344,064, Muon 1,376,256.
+- **Anything else** (a matrix also split over ``tensor``, two matrix dims split,
+  the split dim not leading its side of the view or the fused blocks' split
+  axis): today's path, ``matrix.on_owners`` gathers whole matrices (r s t) and
+  selects globally, whatever ``selection`` says.
 
 NorDion2 (``dion/nordion2.py``, also exported as ``Dion3``) is not built here.
 It always selects rows of [out, in] (output neurons, our fan_out columns),
@@ -74,23 +124,24 @@ follow-up, not a few lines.
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from typing import Callable, NamedTuple, get_args
+from typing import Callable, Literal, NamedTuple, get_args
 
 import jax
 import jax.numpy as jnp
 import optax
+from jax import lax
 
 from jmegatron.optim import checks
 from jmegatron.optim.coefficients import CoefficientSet, coefficient_set
-from jmegatron.optim.matrix import (AdamW, PlanSource, WeightDecayMethod, descend, held_zeros,
-                                    on_owners, scale_by_matrix_optimizer, with_adamw)
+from jmegatron.optim.matrix import (AdamW, PlanLike, PlanSource, WeightDecayMethod, descend,
+                                    held_zeros, on_owners, scale_by_matrix_optimizer, with_adamw)
 from jmegatron.optim.muon import ScaleMode, update_scale
 from jmegatron.optim.newton_schulz import newton_schulz, ns_flops, ns_step
-from jmegatron.optim.plan import HELD, ShardingPlan, matrix_state
+from jmegatron.optim.plan import HELD, LeafPlan, matrix_state
 from jmegatron.optim.routing import Routing, from_matrices, matrix_pieces, to_matrices
-from jmegatron.sharding.layouts import Layout
-from jmegatron.sharding.rules import DEFAULT_RULES, Rules
+from jmegatron.sharding.rules import spec_axes
 
 # dion/polar_express.py's _POLAR_EXPRESS_COEFFS: Polar Express for 5 iterations,
 # safety factor 2e-2 (1.02 folded into all but the last), cushion 2.
@@ -245,6 +296,181 @@ def dion2_block(g: jax.Array, m: jax.Array, fraction: float, ef_decay: float,
     return rows(update), rows(decayed)
 
 
+Selection = Literal["global", "local"]
+SELECTIONS: tuple[str, ...] = get_args(Selection)
+TENSOR_AXIS = "tensor"   # Megatron's tensor-parallel mesh axis: matrices split over it keep
+                         # today's path (whole matrices gathered)
+
+
+@dataclasses.dataclass(frozen=True)
+class MatrixSplit:
+    """How a leaf's held state splits each matrix [fan_in, fan_out] of its view: one
+    side in ``size`` contiguous blocks over ``axes`` (the fsdp layout's ``embed``).
+
+    Attributes:
+      side: -2 (fan_in split) or -1 (fan_out split).
+      axes: the mesh axes of that side's PartitionSpec entry, in its order (a
+        device's block is its row-major index over them, ``lax.axis_index``).
+      size: the blocks: the product of those axes' sizes.
+    """
+
+    side: int
+    axes: tuple[str, ...]
+    size: int
+
+
+def matrix_split(leaf: LeafPlan, mesh: jax.sharding.Mesh | None) -> MatrixSplit | None:
+    """The split of ``leaf``'s matrices that ``sharded_dion2_block`` handles, or None.
+
+    Handled: the held spec (``leaf.held``) splits exactly one leaf axis among the
+    matrix view's ``in_axes`` and ``out_axes`` over mesh axes of size > 1, none of
+    them ``TENSOR_AXIS``; that axis is not the blocks' ``split_axis`` and only
+    size-1 axes come before it on its side, so each device's shard of every block
+    is one contiguous block of the merged dim (``to_matrices`` of the shard is the
+    shard of ``to_matrices``). Batch axes may be split (each device its own
+    matrices, as in ``on_owners``).
+
+    Args:
+      leaf: a matrix leaf's plan.
+      mesh: the mesh; None: no split.
+
+    Returns:
+      The ``MatrixSplit``; None where each device holds whole matrices (owner,
+      layerwise, replicated layouts, no mesh) and in every case not handled
+      (several matrix dims split, the tensor axis, a non-leading dim): those keep
+      ``on_owners``, which gathers whole matrices.
+    """
+    if mesh is None or leaf.placement is None:
+        return None
+    spec = leaf.route.spec
+    held = tuple(leaf.held) + (None,) * (len(leaf.shape) - len(tuple(leaf.held)))
+    live = lambda dim: tuple(a for a in spec_axes(held[dim]) if mesh.shape[a] > 1)
+    split = [dim for dim in spec.in_axes + spec.out_axes if live(dim)]
+    if len(split) != 1 or TENSOR_AXIS in live(split[0]) or split[0] == spec.split_axis:
+        return None
+    dim = split[0]
+    side, axes = (-2, spec.in_axes) if dim in spec.in_axes else (-1, spec.out_axes)
+    before = axes[:axes.index(dim)]
+    if any((max(spec.split_sizes) if a == spec.split_axis else leaf.shape[a]) != 1
+           for a in before):
+        return None
+    names = spec_axes(held[dim])
+    return MatrixSplit(side, names, math.prod(mesh.shape[a] for a in names))
+
+
+def sharded_dion2_block(g: jax.Array, m: jax.Array, split: MatrixSplit, fan_in: int,
+                        fan_out: int, selection: Selection, fraction: float, ef_decay: float,
+                        orthogonalize: Callable[[jax.Array], jax.Array]
+                        ) -> tuple[jax.Array, jax.Array]:
+    """One Dion2 step of this device's shard of a block stack, inside ``jax.shard_map``.
+
+    ``g`` and ``m`` are this device's [..., fan_in, fan_out] blocks with the
+    ``split.side`` dim cut ``split.size`` ways over ``split.axes`` (module
+    docstring, "Under a mesh"). Global selection: the slices along
+    ``selection_axis(fan_in, fan_out)`` (s of them, t entries each), the same
+    top-k on every device as ``dion2_block``; local: the slices along the split
+    dim, each device its own top ``selected_count(fraction, s / size)``. Only the
+    selected slices travel; the [k, t] submatrix is orthogonalized on every
+    device of the group and each keeps its own part.
+
+    Args:
+      g: this device's gradient blocks, fp32.
+      m: its momentum blocks, fp32.
+      split: how the matrices are split (``matrix_split``).
+      fan_in: the whole matrix's rows.
+      fan_out: its columns.
+      selection: "global" (equal to one device) or "local" (per shard).
+      fraction: the fraction of slices selected (of the whole dim, or of each
+        shard's under "local").
+      ef_decay: the decay of the selected slices of the momentum.
+      orthogonalize: the orthogonalization of the submatrix stack.
+
+    Returns:
+      (this device's part of the update, unscaled; of the new momentum).
+    """
+    axis = split.side if selection == "local" else selection_axis(fan_in, fan_out)
+    rows = lambda a: a if axis == -2 else jnp.swapaxes(a, -1, -2)   # selected slices as rows
+    m = rows(m + g)                              # [..., slices held here, their entries here]
+    names, rank = split.axes, lax.axis_index(split.axes)
+    here, width = m.shape[-2:]
+    slice_dim, entry_dim = m.ndim - 2, m.ndim - 1   # non-negative, as collectives take them
+                                                    # (slice_dim is also the norms' last)
+    norms = jnp.sum(jnp.abs(m), axis=-1)         # [..., here]; partial sums if t is split
+    if split.side == axis and selection == "global":
+        # s split: whole norms here, gathered (s floats) for the global top-k. How many
+        # of the k selected slices a shard holds depends on the data, so no fixed-size
+        # gather fits: each shard writes its own into a zero [k, t] and a psum adds
+        # them up (x + 0 is exact: the submatrix is bitwise one device's).
+        norms = lax.all_gather(norms, names, axis=slice_dim, tiled=True)      # [..., s]
+        _, idx = lax.top_k(norms, selected_count(fraction, norms.shape[-1]))
+        local = idx - rank * here                                             # [..., k]
+        where = jnp.broadcast_to(jnp.clip(local, 0, here - 1)[..., None], (*idx.shape, width))
+        mine = ((local >= 0) & (local < here))[..., None]
+        sub = lax.psum(jnp.where(mine, jnp.take_along_axis(m, where, axis=-2), 0.0), names)
+        hits = local[..., :, None] == jnp.arange(here)                       # [..., k, here]
+        chosen = jnp.any(hits, axis=-2)[..., None]                           # [..., here, 1]
+        slot = jnp.broadcast_to(jnp.argmax(hits, axis=-2)[..., None], m.shape)
+        update = jnp.where(chosen, jnp.take_along_axis(orthogonalize(sub), slot, axis=-2), 0.0)
+    else:
+        k = selected_count(fraction, here)   # t split: here is s; local: this shard's
+        if split.side != axis:
+            # t split: each device sums its entries of every slice; the psum gives
+            # every device the same sums (an all-reduce's result is one), so the same
+            # top-k; the selected rows' shards are gathered along t.
+            norms = lax.psum(norms, names)                                    # [..., s]
+            gather_dim, part = entry_dim, width
+        else:
+            # local: each shard its own top-k, a fixed count: a fixed-size gather
+            # along the selected dim.
+            gather_dim, part = slice_dim, k
+        _, idx = lax.top_k(norms, k)
+        where = jnp.broadcast_to(idx[..., None], (*idx.shape, width))
+        sub = lax.all_gather(jnp.take_along_axis(m, where, axis=-2), names, axis=gather_dim,
+                             tiled=True)          # t split: [..., k, t]; local: [..., g k, t]
+        own = lax.dynamic_slice_in_dim(orthogonalize(sub), rank * part, part, axis=gather_dim)
+        update = jnp.put_along_axis(jnp.zeros_like(m), where, own, axis=-2, inplace=False)
+        chosen = jnp.any(idx[..., :, None] == jnp.arange(here), axis=-2)[..., None]
+    decayed = jnp.where(chosen, ef_decay * m, m)
+    return rows(update), rows(decayed)
+
+
+def sharded_bytes(split: MatrixSplit | None, fan_in: int, fan_out: int, selection: Selection,
+                  fraction: float, count: int = 1, dtype_bytes: int = 4) -> float:
+    """Bytes one device sends in one Dion2 step of ``count`` matrices (ring
+    collectives, as ``jmegatron.sharding.hlo`` counts them), n = ``split.size``.
+
+    Global, t split: psum of the s norms, 2 (n-1)/n s, and the gather of the
+    [k, t] submatrix, (n-1)/n k t. Global, s split: the gather of the norms,
+    (n-1)/n s, and the psum of [k, t], 2 (n-1)/n k t. Local: the gather of
+    [n k_local, t], (n-1)/n n k_local t, along the split dim. Unsplit (None): 0.
+
+    Args:
+      split: ``matrix_split``'s answer for the leaf; None: whole matrices.
+      fan_in: the matrix's rows.
+      fan_out: its columns.
+      selection: "global" or "local".
+      fraction: alpha.
+      count: matrices of this shape.
+      dtype_bytes: bytes per element (4: the fp32 momentum).
+
+    Returns:
+      The bytes, a float.
+    """
+    if split is None or split.size == 1:
+        return 0.0
+    n = split.size
+    ring = (n - 1) / n
+    axis = split.side if selection == "local" else selection_axis(fan_in, fan_out)
+    s, t = (fan_in, fan_out) if axis == -2 else (fan_out, fan_in)
+    if selection == "local":
+        elements = ring * n * selected_count(fraction, s // n) * t
+    elif split.side != axis:
+        elements = 2 * ring * s + ring * selected_count(fraction, s) * t
+    else:
+        elements = ring * s + 2 * ring * selected_count(fraction, s) * t
+    return count * elements * dtype_bytes
+
+
 def check_fraction(fraction) -> None:
     """``fraction`` must be a number in (0, 1] (it fixes a shape: never traced)."""
     checks.share("fraction", fraction)
@@ -254,9 +480,8 @@ def scale_by_dion2(*, fraction: float = 0.25, ef_decay: float = 0.95,
                    coefficients: str | CoefficientSet | tuple = "dion2",
                    steps: int | None = None, matmul_dtype="bfloat16", epsilon: float = 1e-8,
                    scale: ScaleMode = "unit_rms", rms_factor: float | None = None,
-                   momentum_dtype=None, routing: Routing = Routing(),
-                   mesh: jax.sharding.Mesh | None = None, layout: Layout | str | None = None,
-                   rules: Rules = DEFAULT_RULES, plan: ShardingPlan | None = None
+                   momentum_dtype=None, selection: Selection = "global",
+                   plan: PlanLike = None
                    ) -> optax.GradientTransformation:
     """Dion2's direction: sum momentum, a fraction of its slices orthogonalized.
 
@@ -270,9 +495,12 @@ def scale_by_dion2(*, fraction: float = 0.25, ef_decay: float = 0.95,
 
     With a ``mesh``, each block's step runs in ``jax.shard_map`` on the devices
     holding its state (``layout``, ``plan`` as for ``scale_by_muon``): the owner
-    layout's step needs no collective; elsewhere whole matrices are gathered
-    (duplicated work). Arguments are checked here (one-line ValueError), leaves
-    and ``plan`` at init. A non-finite gradient enters the momentum for good.
+    layout's step needs no collective; under fsdp (one side of each matrix split)
+    each device keeps its shard and only the selected slices (and the s L1 norms
+    under global selection) travel; matrices also split over ``tensor`` are
+    gathered whole (module docstring, "Under a mesh"). Arguments are checked here
+    (one-line ValueError), leaves and ``plan`` at init. A non-finite gradient
+    enters the momentum for good.
 
     Args:
       fraction: alpha, the fraction of slices orthogonalized, in (0, 1]
@@ -291,14 +519,15 @@ def scale_by_dion2(*, fraction: float = 0.25, ef_decay: float = 0.95,
         (its "rms_norm"), "shape" or "none".
       rms_factor: a factor on ``scale``; None: ``update_scale``'s default.
       momentum_dtype: the dtype the momentum is stored in; None: the param's.
-      routing: which leaves are matrices and how each splits into blocks
-        (``Routing``); every leaf this transformation sees must be a matrix.
-      mesh: the device mesh; None: no ``shard_map``.
-      layout: a ``Layout`` or its name; None: "fsdp" (with a mesh).
-      rules: the logical-to-mesh axis rules a layout given by name (or None) is
-        built on.
-      plan: a ``ShardingPlan`` replacing ``routing``, ``mesh``, ``layout`` and
-        ``rules`` (see ``scale_by_muon``).
+      selection: "global": the top-k of each whole matrix, whatever the sharding
+        (equal to one device); "local": where a matrix is split along one side
+        (fsdp), each shard its own top ``selected_count(fraction, shard)`` along
+        the split dim, half the bytes when the split dim is the selected one
+        (microsoft/dion's default scope; depends on the sharding). The same
+        wherever matrices are whole.
+      plan: where the matrices live: a ``ShardingPlan`` (``make_plan``), or a
+        ``PlanSpec`` (routing, mesh, layout, rules) to make one from each tree
+        the transformation sees; None: ``PlanSpec()``, one device.
 
     Returns:
       An ``optax.GradientTransformation`` (state ``Dion2State``) whose updates are
@@ -315,8 +544,9 @@ def scale_by_dion2(*, fraction: float = 0.25, ef_decay: float = 0.95,
     checks.one_of("scale", scale, get_args(ScaleMode))
     checks.positive("rms_factor", rms_factor, optional=True)
     checks.float_dtype("momentum_dtype", momentum_dtype, optional=True)
+    checks.one_of("selection", selection, SELECTIONS)
     orthogonalize = orthogonalizer(coefficients, steps, matmul_dtype, epsilon)
-    source = PlanSource(plan, routing, mesh, layout, rules)
+    source = PlanSource.of(plan)
     mesh = source.placed_on
 
     def block_step(pair):
@@ -327,9 +557,27 @@ def scale_by_dion2(*, fraction: float = 0.25, ef_decay: float = 0.95,
     def init_stack(x, leaf):
         return (held_zeros(x, leaf, momentum_dtype or x.dtype),)
 
+    def split_step(g, m, spec, split, fans):
+        """This device's shards of a leaf (in ``jax.shard_map``), block by block."""
+        done = []
+        for gb, mb, (fan_in, fan_out) in zip(to_matrices(g, spec),
+                                             to_matrices(m.astype(jnp.float32), spec), fans):
+            update, new = sharded_dion2_block(gb, mb, split, fan_in, fan_out, selection,
+                                              fraction, ef_decay, orthogonalize)
+            done.append((update * update_scale(scale, fan_in, fan_out, rms_factor), new))
+        return (from_matrices([u for u, _ in done], spec, g.shape),
+                from_matrices([n for _, n in done], spec, m.shape).astype(m.dtype))
+
     def update_stack(g, fields, count, leaf):
         (m,) = fields
         spec = leaf.route.spec
+        split = matrix_split(leaf, mesh)
+        if split is not None:   # one side of every matrix split (fsdp): only the selection moves
+            fans = [(p.fan_in, p.fan_out) for p in spec.pieces(g.shape)]
+            update, m = jax.shard_map(lambda g, m: split_step(g, m, spec, split, fans),
+                                      mesh=mesh, in_specs=(leaf.held, leaf.held),
+                                      out_specs=(leaf.held, leaf.held))(g, m)
+            return update, (m,)
         pairs = zip(to_matrices(g, spec), to_matrices(m.astype(jnp.float32), spec))
         done = [on_owners(block_step, pair, leaf.placement, mesh) for pair in pairs]
         update = from_matrices([u for u, _ in done], spec, g.shape)
@@ -344,9 +592,7 @@ def dion2(learning_rate: optax.ScalarOrSchedule, *, fraction: float = 0.25,
           steps: int | None = None, matmul_dtype="bfloat16", epsilon: float = 1e-8,
           scale: ScaleMode = "unit_rms", rms_factor: float | None = None,
           weight_decay: float = 0.01, weight_decay_method: WeightDecayMethod = "decoupled",
-          momentum_dtype=None, routing: Routing = Routing(),
-          mesh: jax.sharding.Mesh | None = None, layout: Layout | str | None = None,
-          rules: Rules = DEFAULT_RULES, plan: ShardingPlan | None = None,
+          momentum_dtype=None, selection: Selection = "global", plan: PlanLike = None,
           adamw: AdamW = AdamW()) -> optax.GradientTransformation:
     """Dion2 for hidden matrices, AdamW for every other leaf.
 
@@ -375,13 +621,11 @@ def dion2(learning_rate: optax.ScalarOrSchedule, *, fraction: float = 0.25,
       weight_decay_method: "decoupled", "independent", "l2" or "palm" (see
         ``descend``).
       momentum_dtype: the dtype the momentum is stored in; None: the param's.
-      routing: which leaves are matrices and how each splits into blocks.
-      mesh: the device mesh; None: no ``shard_map``.
-      layout: a ``Layout`` or its name; None: "fsdp" (with a mesh).
-      rules: the logical-to-mesh axis rules a layout given by name (or None) is
-        built on.
-      plan: a ``ShardingPlan`` replacing ``routing``, ``mesh``, ``layout`` and
-        ``rules``.
+      selection: "global" (each whole matrix's top-k) or "local" (per shard of a
+        matrix split along one side; see ``scale_by_dion2``).
+      plan: where the matrices live: a ``ShardingPlan`` (``make_plan``), or a
+        ``PlanSpec`` (routing, mesh, layout, rules) to make one from each tree
+        the transformation sees; None: ``PlanSpec()``, one device.
       adamw: the AdamW of the other leaves (``AdamW``).
 
     Returns:
@@ -396,10 +640,9 @@ def dion2(learning_rate: optax.ScalarOrSchedule, *, fraction: float = 0.25,
     direction = scale_by_dion2(
         fraction=fraction, ef_decay=ef_decay, coefficients=coefficients, steps=steps,
         matmul_dtype=matmul_dtype, epsilon=epsilon, scale=scale, rms_factor=rms_factor,
-        momentum_dtype=momentum_dtype, routing=routing, mesh=mesh, layout=layout, rules=rules,
-        plan=plan)
+        momentum_dtype=momentum_dtype, selection=selection, plan=plan)
     matrix = descend(direction, learning_rate, weight_decay, weight_decay_method)
-    return with_adamw("dion2", matrix, PlanSource(plan, routing, mesh, layout, rules),
+    return with_adamw("dion2", matrix, PlanSource.of(plan),
                       learning_rate, adamw)
 
 

@@ -82,24 +82,57 @@ class AdamW:
 
 
 @dataclasses.dataclass(frozen=True)
-class PlanSource:
-    """Where a transformation's plan comes from: given, or made from each tree."""
+class PlanSpec:
+    """What an optimizer makes its plan of, from each tree it sees.
 
-    plan: ShardingPlan | None = None
+    ``make_plan(tree, mesh, layout, routing, rules)`` on every call: for when no
+    params are at hand to make a ``ShardingPlan`` once. Without a mesh: routes only.
+
+    Attributes:
+      routing: which leaves are matrices and how each splits into blocks (``Routing``).
+      mesh: the device mesh; None: no ``shard_map`` (arrays as XLA places them).
+      layout: a ``Layout`` or "replicated", "layerwise", "fsdp" or "owner"; None:
+        "fsdp". Used only with a mesh.
+      rules: the logical-to-mesh axis rules a layout given by name (or None) is built on.
+    """
+
     routing: Routing = Routing()
     mesh: jax.sharding.Mesh | None = None
     layout: Layout | str | None = None
     rules: Rules = DEFAULT_RULES
 
+
+# Every matrix optimizer's one placement argument: a plan made once, or what to make one of.
+PlanLike = ShardingPlan | PlanSpec | None
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanSource:
+    """Where a transformation's plan comes from: given, or made from each tree."""
+
+    plan: ShardingPlan | None = None
+    spec: PlanSpec = PlanSpec()
+
+    @classmethod
+    def of(cls, plan: PlanLike) -> "PlanSource":
+        """The source of an optimizer's ``plan`` argument; anything else is refused."""
+        if plan is None or isinstance(plan, PlanSpec):
+            return cls(spec=plan or PlanSpec())
+        if isinstance(plan, ShardingPlan):
+            return cls(plan)
+        raise ValueError(f"plan must be a ShardingPlan (make_plan), a PlanSpec or None, got "
+                         f"{type(plan).__name__}")
+
     @property
     def placed_on(self) -> jax.sharding.Mesh | None:
         """The mesh the state is placed on (the plan's, when given)."""
-        return self.plan.mesh if self.plan is not None else self.mesh
+        return self.plan.mesh if self.plan is not None else self.spec.mesh
 
     def __call__(self, tree) -> ShardingPlan:
         if self.plan is not None:   # a model's plan covers variables no optimizer trains
             return self.plan.for_optimizer()
-        return make_plan(tree, self.mesh, self.layout, self.routing, self.rules)
+        s = self.spec
+        return make_plan(tree, s.mesh, s.layout, s.routing, s.rules)
 
     def at_init(self, params, who: str) -> ShardingPlan:
         """The plan, at init; a plan given must be of params of these shapes (one made

@@ -17,14 +17,12 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jmegatron.optim.matrix import (AdamW, PlanSource, WeightDecayMethod, descend, held_zeros,
-                                    on_owners, per_matrix, scale_by_matrix_optimizer, with_adamw)
+from jmegatron.optim.matrix import (AdamW, PlanLike, PlanSource, WeightDecayMethod, descend,
+                                    held_zeros, on_owners, per_matrix, scale_by_matrix_optimizer,
+                                    with_adamw)
 from jmegatron.optim.muon import MuonState, check_momentum_args, momentum_step, update_scale
-from jmegatron.optim.plan import ShardingPlan
 from jmegatron.optim.routing import (Routing, flops_over_matrices, from_matrices,
                                      to_matrices)
-from jmegatron.sharding.layouts import Layout
-from jmegatron.sharding.rules import DEFAULT_RULES, Rules
 
 MopScale = Literal["nuclear_norm", "spectral", "shape", "unit_rms", "none"]
 
@@ -62,9 +60,7 @@ def scaled_polar(x: jax.Array, scale: MopScale, rms_factor: float | None) -> jax
 
 def scale_by_mop(*, beta: float = 0.95, nesterov: bool = False,
                  scale: MopScale = "nuclear_norm", rms_factor: float | None = None,
-                 momentum_dtype=None, routing: Routing = Routing(),
-                 mesh: jax.sharding.Mesh | None = None, layout: Layout | str | None = None,
-                 rules: Rules = DEFAULT_RULES, plan: ShardingPlan | None = None
+                 momentum_dtype=None, plan: PlanLike = None
                  ) -> optax.GradientTransformation:
     """MOP's direction for matrix leaves: momentum, then each block's exact polar factor.
 
@@ -88,14 +84,9 @@ def scale_by_mop(*, beta: float = 0.95, nesterov: bool = False,
       rms_factor: a factor on the scale; None: 1 for "nuclear_norm", else
         ``update_scale``'s default (0.2 for "spectral").
       momentum_dtype: the dtype the momentum is stored in; None: the param's.
-      routing: which leaves are matrices and how each splits into blocks
-        (``Routing``); every leaf this transformation sees must be a matrix.
-      mesh: the device mesh; None: no ``shard_map``.
-      layout: a ``Layout`` or its name; None: "fsdp" (with a mesh).
-      rules: the logical-to-mesh axis rules a layout given by name (or None) is
-        built on.
-      plan: a ``ShardingPlan`` replacing ``routing``, ``mesh``, ``layout`` and
-        ``rules`` (see ``scale_by_muon``).
+      plan: where the matrices live: a ``ShardingPlan`` (``make_plan``), or a
+        ``PlanSpec`` (routing, mesh, layout, rules) to make one from each tree
+        the transformation sees; None: ``PlanSpec()``, one device.
 
     Returns:
       An ``optax.GradientTransformation`` (state ``MuonState``) whose updates are
@@ -109,7 +100,7 @@ def scale_by_mop(*, beta: float = 0.95, nesterov: bool = False,
     if scale not in get_args(MopScale):
         raise ValueError(f"unknown MOP scale {scale!r}; one of {get_args(MopScale)}")
     check_momentum_args(beta, rms_factor, momentum_dtype)
-    source = PlanSource(plan, routing, mesh, layout, rules)
+    source = PlanSource.of(plan)
     mesh = source.placed_on
     polar = lambda stack: scaled_polar(stack, scale, rms_factor)
 
@@ -130,9 +121,7 @@ def scale_by_mop(*, beta: float = 0.95, nesterov: bool = False,
 def mop(learning_rate: optax.ScalarOrSchedule, *, beta: float = 0.95, nesterov: bool = False,
         scale: MopScale = "nuclear_norm", rms_factor: float | None = None,
         weight_decay: float = 0.01, weight_decay_method: WeightDecayMethod = "decoupled",
-        momentum_dtype=None, routing: Routing = Routing(),
-        mesh: jax.sharding.Mesh | None = None, layout: Layout | str | None = None,
-        rules: Rules = DEFAULT_RULES, plan: ShardingPlan | None = None,
+        momentum_dtype=None, plan: PlanLike = None,
         adamw: AdamW = AdamW()) -> optax.GradientTransformation:
     """MOP for hidden matrices, AdamW for every other leaf.
 
@@ -155,13 +144,9 @@ def mop(learning_rate: optax.ScalarOrSchedule, *, beta: float = 0.95, nesterov: 
       weight_decay_method: "decoupled", "independent", "l2" or "palm" (see
         ``descend``).
       momentum_dtype: the dtype the momentum is stored in; None: the param's.
-      routing: which leaves are matrices and how each splits into blocks.
-      mesh: the device mesh; None: no ``shard_map``.
-      layout: a ``Layout`` or its name; None: "fsdp" (with a mesh).
-      rules: the logical-to-mesh axis rules a layout given by name (or None) is
-        built on.
-      plan: a ``ShardingPlan`` replacing ``routing``, ``mesh``, ``layout`` and
-        ``rules``.
+      plan: where the matrices live: a ``ShardingPlan`` (``make_plan``), or a
+        ``PlanSpec`` (routing, mesh, layout, rules) to make one from each tree
+        the transformation sees; None: ``PlanSpec()``, one device.
       adamw: the AdamW of the other leaves (``AdamW``).
 
     Returns:
@@ -171,10 +156,9 @@ def mop(learning_rate: optax.ScalarOrSchedule, *, beta: float = 0.95, nesterov: 
     References:
       Lau, Long & Su, "PolarGrad", arXiv:2505.21799, 2025.
     """
-    source = PlanSource(plan, routing, mesh, layout, rules)
+    source = PlanSource.of(plan)
     direction = scale_by_mop(beta=beta, nesterov=nesterov, scale=scale, rms_factor=rms_factor,
-                             momentum_dtype=momentum_dtype, routing=routing, mesh=mesh,
-                             layout=layout, rules=rules, plan=plan)
+                             momentum_dtype=momentum_dtype, plan=plan)
     matrix = descend(direction, learning_rate, weight_decay, weight_decay_method)
     return with_adamw("mop", matrix, source, learning_rate, adamw)
 

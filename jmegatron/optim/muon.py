@@ -12,14 +12,12 @@ import optax
 from jmegatron.optim import checks
 from jmegatron.optim.coefficients import CoefficientSet, coefficient_set
 from jmegatron.optim.newton_schulz import NS_METHODS, NSMethod, newton_schulz, ns_flops
-from jmegatron.optim.matrix import (AdamW, PlanSource, WeightDecayMethod, descend, held_zeros,
-                                    scale_by_matrix_optimizer, with_adamw)
-from jmegatron.optim.plan import HELD, LeafPlan, ShardingPlan, matrix_state
+from jmegatron.optim.matrix import (AdamW, PlanLike, PlanSource, WeightDecayMethod, descend,
+                                    held_zeros, scale_by_matrix_optimizer, with_adamw)
+from jmegatron.optim.plan import HELD, LeafPlan, matrix_state
 from jmegatron.optim.routing import (Routing, flops_over_matrices, from_matrices,
                                      to_matrices)
 from jmegatron.optim.tensor_parallel import TP_MODES, TensorParallel, TPMode, tp_newton_schulz
-from jmegatron.sharding.layouts import Layout
-from jmegatron.sharding.rules import DEFAULT_RULES, Rules
 
 ScaleMode = Literal["spectral", "shape", "unit_rms", "none"]
 MOONLIGHT_RMS = 0.2   # spectral x 0.2 gives updates with AdamW's typical RMS
@@ -152,10 +150,9 @@ def scale_by_muon(*, coefficients: str | CoefficientSet | tuple = "quintic",
                   momentum: Literal["ema", "sum"] = "ema", bias_correction: bool = False,
                   momentum_dtype=None, scale: ScaleMode = "spectral",
                   rms_factor: float | None = None, matmul_dtype="float32",
-                  routing: Routing = Routing(), tp_mode: TPMode = "auto",
-                  mesh: jax.sharding.Mesh | None = None, layout: Layout | str | None = None,
-                  rules: Rules = DEFAULT_RULES, syrk: bool | str = False,
-                  ns_method: NSMethod = "standard", plan: ShardingPlan | None = None
+                  tp_mode: TPMode = "auto",
+                  syrk: bool | str = False,
+                  ns_method: NSMethod = "standard", plan: PlanLike = None
                   ) -> optax.GradientTransformation:
     """Muon's direction: momentum, Newton-Schulz orthogonalization, shape scale.
 
@@ -205,23 +202,15 @@ def scale_by_muon(*, coefficients: str | CoefficientSet | tuple = "quintic",
         for the others.
       matmul_dtype: the dtype of Newton-Schulz's matmul operands ("float32", or
         "bfloat16" with fp32 accumulation).
-      routing: which leaves are matrices and how each splits into blocks
-        (``Routing``); every leaf this transformation sees must be a matrix.
       tp_mode: Newton-Schulz of matrices split over the tensor axis:
         "duplicated", "distributed", "gathered", "blockwise" or "auto" (per
         matrix, by ``TPCostModel``); used only with a mesh.
-      mesh: the device mesh; None: no ``shard_map`` (arrays as XLA places them).
-      layout: where the state lives and which device orthogonalizes each matrix:
-        a ``Layout`` or "replicated", "layerwise", "fsdp" or "owner"; None:
-        "fsdp". Used only with a mesh.
-      rules: the logical-to-mesh axis rules a layout given by name (or None) is
-        built on.
       syrk: Newton-Schulz's symmetric products on the SYRK kernel: False, True or a
         backend name (see ``newton_schulz``).
       ns_method: "standard", "gram" or "auto" (see ``newton_schulz``).
-      plan: a ``ShardingPlan`` (``make_plan``) that replaces ``routing``, ``mesh``,
-        ``layout`` and ``rules``; needed when the updates carry no logical axes.
-        None: a plan is made from each tree the transformation sees.
+      plan: where the matrices live: a ``ShardingPlan`` (``make_plan``), or a
+        ``PlanSpec`` (routing, mesh, layout, rules) to make one from each tree
+        the transformation sees; None: ``PlanSpec()``, one device.
 
     Returns:
       An ``optax.GradientTransformation`` (state ``MuonState``) whose updates are
@@ -237,7 +226,7 @@ def scale_by_muon(*, coefficients: str | CoefficientSet | tuple = "quintic",
     check_momentum_args(beta, rms_factor, momentum_dtype)
     checks.one_of("momentum", momentum, ("ema", "sum"))
     checks.one_of("scale", scale, get_args(ScaleMode))
-    source = PlanSource(plan, routing, mesh, layout, rules)
+    source = PlanSource.of(plan)
     orthogonal_blocks = newton_schulz_blocks(coefficients, steps, matmul_dtype, syrk, ns_method,
                                              tp_mode, source.placed_on)
 
@@ -262,10 +251,9 @@ def muon(learning_rate: optax.ScalarOrSchedule, *,
          bias_correction: bool = False, momentum_dtype=None, scale: ScaleMode = "spectral",
          rms_factor: float | None = None, weight_decay: float = 0.0,
          weight_decay_method: WeightDecayMethod = "decoupled",
-         matmul_dtype="float32", routing: Routing = Routing(), tp_mode: TPMode = "auto",
-         mesh: jax.sharding.Mesh | None = None, layout: Layout | str | None = None,
-         rules: Rules = DEFAULT_RULES, syrk: bool | str = False, ns_method: NSMethod = "standard",
-         plan: ShardingPlan | None = None, adamw: AdamW = AdamW()
+         matmul_dtype="float32", tp_mode: TPMode = "auto",
+         syrk: bool | str = False, ns_method: NSMethod = "standard",
+         plan: PlanLike = None, adamw: AdamW = AdamW()
          ) -> optax.GradientTransformation:
     """Muon for hidden matrices, AdamW for every other leaf.
 
@@ -296,19 +284,14 @@ def muon(learning_rate: optax.ScalarOrSchedule, *,
       weight_decay_method: "decoupled", "independent", "l2" or "palm" (see
         ``descend``).
       matmul_dtype: the dtype of Newton-Schulz's matmul operands.
-      routing: which leaves are matrices and how each splits into blocks
-        (``Routing``).
       tp_mode: Newton-Schulz of matrices split over the tensor axis (see
         ``scale_by_muon``).
-      mesh: the device mesh; None: no ``shard_map``.
-      layout: a ``Layout`` or its name; None: "fsdp" (with a mesh).
-      rules: the logical-to-mesh axis rules a layout given by name (or None) is
-        built on.
       syrk: Newton-Schulz's symmetric products on the SYRK kernel: False, True or a
         backend name.
       ns_method: "standard", "gram" or "auto" (see ``newton_schulz``).
-      plan: a ``ShardingPlan`` replacing ``routing``, ``mesh``, ``layout`` and
-        ``rules`` (see ``scale_by_muon``).
+      plan: where the matrices live: a ``ShardingPlan`` (``make_plan``), or a
+        ``PlanSpec`` (routing, mesh, layout, rules) to make one from each tree
+        the transformation sees; None: ``PlanSpec()``, one device.
       adamw: the AdamW of the other leaves (``AdamW``: b1 0.9, b2 0.95, eps 1e-8,
         no weight decay by default).
 
@@ -324,10 +307,10 @@ def muon(learning_rate: optax.ScalarOrSchedule, *,
     direction = scale_by_muon(
         coefficients=coefficients, steps=steps, beta=beta, nesterov=nesterov, momentum=momentum,
         bias_correction=bias_correction, momentum_dtype=momentum_dtype, scale=scale,
-        rms_factor=rms_factor, matmul_dtype=matmul_dtype, routing=routing, tp_mode=tp_mode,
-        mesh=mesh, layout=layout, rules=rules, syrk=syrk, ns_method=ns_method, plan=plan)
+        rms_factor=rms_factor, matmul_dtype=matmul_dtype, tp_mode=tp_mode,
+        syrk=syrk, ns_method=ns_method, plan=plan)
     matrix = descend(direction, learning_rate, weight_decay, weight_decay_method)
-    return with_adamw("muon", matrix, PlanSource(plan, routing, mesh, layout, rules),
+    return with_adamw("muon", matrix, PlanSource.of(plan),
                       learning_rate, adamw)
 
 

@@ -33,16 +33,15 @@ import optax
 
 from jmegatron.optim import checks
 from jmegatron.optim.coefficients import CoefficientSet
-from jmegatron.optim.matrix import (AdamW, PlanSource, WeightDecayMethod, descend, held_zeros,
-                                    scale_by_matrix_optimizer, with_adamw)
+from jmegatron.optim.matrix import (AdamW, PlanLike, PlanSource, WeightDecayMethod, descend,
+                                    held_zeros, scale_by_matrix_optimizer, with_adamw)
 from jmegatron.optim.muon import (MuonState, ScaleMode, check_momentum_args, momentum_step,
                                   newton_schulz_blocks, scaled_orthogonal, update_scale)
 from jmegatron.optim.newton_schulz import NSMethod, newton_schulz
-from jmegatron.optim.plan import LeafPlan, ShardingPlan
-from jmegatron.optim.routing import Routing, from_matrices, to_matrices
+from jmegatron.optim.plan import LeafPlan
+from jmegatron.optim.routing import from_matrices, to_matrices
 from jmegatron.optim.tensor_parallel import TPMode
-from jmegatron.sharding.layouts import Layout
-from jmegatron.sharding.rules import DEFAULT_RULES, Rules, spec_axes
+from jmegatron.sharding.rules import spec_axes
 
 
 def block_orthogonal(ns: dict, scale: ScaleMode, rms_factor: float | None,
@@ -76,13 +75,11 @@ def scale_by_muon_bp(*, period: int = 5, block_lr_ratio: float = 1.0,
                      steps: int | None = None, beta: float = 0.95, nesterov: bool = True,
                      momentum_dtype=None, scale: ScaleMode = "spectral",
                      rms_factor: float | None = None, matmul_dtype="float32",
-                     routing: Routing = Routing(), tp_mode: TPMode = "auto",
-                     mesh: jax.sharding.Mesh | None = None, layout: Layout | str | None = None,
-                     rules: Rules = DEFAULT_RULES, syrk: bool | str = False,
-                     ns_method: NSMethod = "standard", plan: ShardingPlan | None = None
+                     tp_mode: TPMode = "auto",
+                     syrk: bool | str = False,
+                     ns_method: NSMethod = "standard", plan: PlanLike = None
                      ) -> optax.GradientTransformation:
-    """MuonBP's direction: Muon's momentum, orthogonalized block by block, whole every
-    ``period`` steps.
+    """MuonBP's direction: Muon's momentum, orthogonalized by blocks, whole every P steps.
 
     Momentum as ``scale_by_muon``'s EMA (Nesterov by default). On a full step (the
     count a multiple of ``period``) the direction is Muon's under the layout; on the
@@ -103,15 +100,13 @@ def scale_by_muon_bp(*, period: int = 5, block_lr_ratio: float = 1.0,
         whole matrix's shape on full steps and of the block's on block steps.
       rms_factor: a factor on ``scale``; None: 0.2 for "spectral", 1 otherwise.
       matmul_dtype: the dtype of Newton-Schulz's matmul operands.
-      routing: which leaves are matrices and how each splits into blocks.
       tp_mode: the full steps' Newton-Schulz of matrices split over the tensor axis
         (see ``scale_by_muon``); block steps are blockwise.
-      mesh: the device mesh; None: no ``shard_map`` (every step is Muon's).
-      layout: a ``Layout`` or its name; None: "fsdp" (with a mesh).
-      rules: the rules a layout given by name (or None) is built on.
       syrk: Newton-Schulz's symmetric products on the SYRK kernel.
       ns_method: "standard", "gram" or "auto" (see ``newton_schulz``).
-      plan: a ``ShardingPlan`` replacing ``routing``, ``mesh``, ``layout``, ``rules``.
+      plan: where the matrices live: a ``ShardingPlan`` (``make_plan``), or a
+        ``PlanSpec`` (routing, mesh, layout, rules) to make one from each tree
+        the transformation sees; None: ``PlanSpec()``, one device.
 
     Returns:
       An ``optax.GradientTransformation`` (state ``MuonState``).
@@ -123,7 +118,7 @@ def scale_by_muon_bp(*, period: int = 5, block_lr_ratio: float = 1.0,
     checks.integer("period", period, 1)
     checks.positive("block_lr_ratio", block_lr_ratio)
     check_momentum_args(beta, rms_factor, momentum_dtype)
-    source = PlanSource(plan, routing, mesh, layout, rules)
+    source = PlanSource.of(plan)
     full = scaled_orthogonal(newton_schulz_blocks(coefficients, steps, matmul_dtype, syrk,
                                                   ns_method, tp_mode, source.placed_on),
                              scale, rms_factor)
@@ -153,10 +148,9 @@ def muon_bp(learning_rate: optax.ScalarOrSchedule, *, period: int = 5,
             steps: int | None = None, beta: float = 0.95, nesterov: bool = True,
             momentum_dtype=None, scale: ScaleMode = "spectral", rms_factor: float | None = None,
             weight_decay: float = 0.0, weight_decay_method: WeightDecayMethod = "decoupled",
-            matmul_dtype="float32", routing: Routing = Routing(), tp_mode: TPMode = "auto",
-            mesh: jax.sharding.Mesh | None = None, layout: Layout | str | None = None,
-            rules: Rules = DEFAULT_RULES, syrk: bool | str = False,
-            ns_method: NSMethod = "standard", plan: ShardingPlan | None = None,
+            matmul_dtype="float32", tp_mode: TPMode = "auto",
+            syrk: bool | str = False,
+            ns_method: NSMethod = "standard", plan: PlanLike = None,
             adamw: AdamW = AdamW()) -> optax.GradientTransformation:
     """MuonBP for hidden matrices, AdamW for every other leaf.
 
@@ -180,14 +174,12 @@ def muon_bp(learning_rate: optax.ScalarOrSchedule, *, period: int = 5,
       weight_decay: the matrices' weight decay coefficient (0: none).
       weight_decay_method: "decoupled", "independent", "l2" or "palm".
       matmul_dtype: the dtype of Newton-Schulz's matmul operands.
-      routing: which leaves are matrices (``Routing``).
       tp_mode: the full steps' tensor-parallel mode.
-      mesh: the device mesh; None: no ``shard_map``.
-      layout: a ``Layout`` or its name; None: "fsdp" (with a mesh).
-      rules: the rules a layout given by name (or None) is built on.
       syrk: the SYRK kernel for Newton-Schulz's symmetric products.
       ns_method: "standard", "gram" or "auto".
-      plan: a ``ShardingPlan`` replacing ``routing``, ``mesh``, ``layout``, ``rules``.
+      plan: where the matrices live: a ``ShardingPlan`` (``make_plan``), or a
+        ``PlanSpec`` (routing, mesh, layout, rules) to make one from each tree
+        the transformation sees; None: ``PlanSpec()``, one device.
       adamw: the AdamW of the other leaves (``AdamW``).
 
     Returns:
@@ -201,8 +193,8 @@ def muon_bp(learning_rate: optax.ScalarOrSchedule, *, period: int = 5,
     direction = scale_by_muon_bp(
         period=period, block_lr_ratio=block_lr_ratio, coefficients=coefficients, steps=steps,
         beta=beta, nesterov=nesterov, momentum_dtype=momentum_dtype, scale=scale,
-        rms_factor=rms_factor, matmul_dtype=matmul_dtype, routing=routing, tp_mode=tp_mode,
-        mesh=mesh, layout=layout, rules=rules, syrk=syrk, ns_method=ns_method, plan=plan)
+        rms_factor=rms_factor, matmul_dtype=matmul_dtype, tp_mode=tp_mode,
+        syrk=syrk, ns_method=ns_method, plan=plan)
     matrix = descend(direction, learning_rate, weight_decay, weight_decay_method)
-    return with_adamw("muon_bp", matrix, PlanSource(plan, routing, mesh, layout, rules),
+    return with_adamw("muon_bp", matrix, PlanSource.of(plan),
                       learning_rate, adamw)

@@ -57,19 +57,15 @@ from __future__ import annotations
 
 import functools
 
-import jax
 import jax.numpy as jnp
 import optax
 from jax import lax
 
 from jmegatron.optim import checks
-from jmegatron.optim.matrix import (AdamW, PlanSource, WeightDecayMethod, descend,
+from jmegatron.optim.matrix import (AdamW, PlanLike, PlanSource, WeightDecayMethod, descend,
                                     with_adamw)
-from jmegatron.optim.plan import ShardingPlan
 from jmegatron.optim.routing import Routing, flops_over_matrices
 from jmegatron.optim.soap import Factors, eigenbasis, rotate, scale_by_eigenbasis_adam
-from jmegatron.sharding.layouts import Layout
-from jmegatron.sharding.rules import DEFAULT_RULES, Rules
 
 _HIGHEST = lax.Precision.HIGHEST
 
@@ -161,9 +157,7 @@ def rekls_block(g, mu, nu, f: Factors, count, *, b1: float, b2: float, shampoo_b
 
 def scale_by_rekls(*, b1: float = 0.9, b2: float = 0.95, shampoo_beta: float = 0.95,
                    eps: float = 1e-8, max_precond_dim: int = 10_000,
-                   routing: Routing = Routing(), mesh: jax.sharding.Mesh | None = None,
-                   layout: Layout | str | None = None, rules: Rules = DEFAULT_RULES,
-                   plan: ShardingPlan | None = None) -> optax.GradientTransformation:
+                   plan: PlanLike = None) -> optax.GradientTransformation:
     """REKLS's direction for matrix leaves: Adam in the eigenbasis of KL-Shampoo's factors.
 
     Every leaf must be a matrix or a stack of them under ``routing``; ``rekls``
@@ -188,14 +182,9 @@ def scale_by_rekls(*, b1: float = 0.9, b2: float = 0.95, shampoo_beta: float = 0
         eigenvalues.
       max_precond_dim: a block side longer than this keeps the identity basis
         (no factor).
-      routing: which leaves are matrices and how each splits into blocks
-        (``Routing``); every leaf this transformation sees must be a matrix.
-      mesh: the device mesh; None: no ``shard_map``.
-      layout: a ``Layout`` or its name; None: "fsdp" (with a mesh).
-      rules: the logical-to-mesh axis rules a layout given by name (or None) is
-        built on.
-      plan: a ``ShardingPlan`` replacing ``routing``, ``mesh``, ``layout`` and
-        ``rules`` (see ``scale_by_muon``).
+      plan: where the matrices live: a ``ShardingPlan`` (``make_plan``), or a
+        ``PlanSpec`` (routing, mesh, layout, rules) to make one from each tree
+        the transformation sees; None: ``PlanSpec()``, one device.
 
     Returns:
       An ``optax.GradientTransformation`` (state ``SoapState``) whose updates are
@@ -215,16 +204,14 @@ def scale_by_rekls(*, b1: float = 0.9, b2: float = 0.95, shampoo_beta: float = 0
     checks.positive("eps", eps)   # also the floor of the eigenvalues it divides by
     block = functools.partial(rekls_block, b1=b1, b2=b2, shampoo_beta=shampoo_beta, eps=eps)
     return scale_by_eigenbasis_adam("scale_by_rekls", block, max_precond_dim,
-                                    PlanSource(plan, routing, mesh, layout, rules),
+                                    PlanSource.of(plan),
                                     basis="identity")
 
 
 def rekls(learning_rate: optax.ScalarOrSchedule, *, b1: float = 0.9, b2: float = 0.95,
           shampoo_beta: float = 0.95, eps: float = 1e-8, weight_decay: float = 0.01,
           weight_decay_method: WeightDecayMethod = "decoupled", max_precond_dim: int = 10_000,
-          routing: Routing = Routing(), mesh: jax.sharding.Mesh | None = None,
-          layout: Layout | str | None = None, rules: Rules = DEFAULT_RULES,
-          plan: ShardingPlan | None = None, adamw: AdamW = AdamW()
+          plan: PlanLike = None, adamw: AdamW = AdamW()
           ) -> optax.GradientTransformation:
     """REKLS for hidden matrices, AdamW for every other leaf.
 
@@ -246,13 +233,9 @@ def rekls(learning_rate: optax.ScalarOrSchedule, *, b1: float = 0.9, b2: float =
       weight_decay_method: "decoupled", "independent", "l2" or "palm" (see
         ``descend``).
       max_precond_dim: a block side longer than this is not preconditioned.
-      routing: which leaves are matrices and how each splits into blocks.
-      mesh: the device mesh; None: no ``shard_map``.
-      layout: a ``Layout`` or its name; None: "fsdp" (with a mesh).
-      rules: the logical-to-mesh axis rules a layout given by name (or None) is
-        built on.
-      plan: a ``ShardingPlan`` replacing ``routing``, ``mesh``, ``layout`` and
-        ``rules``.
+      plan: where the matrices live: a ``ShardingPlan`` (``make_plan``), or a
+        ``PlanSpec`` (routing, mesh, layout, rules) to make one from each tree
+        the transformation sees; None: ``PlanSpec()``, one device.
       adamw: the AdamW of the other leaves (``AdamW``).
 
     Returns:
@@ -264,10 +247,9 @@ def rekls(learning_rate: optax.ScalarOrSchedule, *, b1: float = 0.9, b2: float =
         Kullback-Leibler Minimization", arXiv:2509.03378, 2025.
       NVIDIA NeMo Emerging-Optimizers 0.3.0, ``emerging_optimizers.soap.REKLS``, 2026.
     """
-    source = PlanSource(plan, routing, mesh, layout, rules)
+    source = PlanSource.of(plan)
     direction = scale_by_rekls(b1=b1, b2=b2, shampoo_beta=shampoo_beta, eps=eps,
-                               max_precond_dim=max_precond_dim, routing=routing, mesh=mesh,
-                               layout=layout, rules=rules, plan=plan)
+                               max_precond_dim=max_precond_dim, plan=plan)
     matrix = descend(direction, learning_rate, weight_decay, weight_decay_method)
     return with_adamw("rekls", matrix, source, learning_rate, adamw)
 

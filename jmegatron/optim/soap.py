@@ -42,14 +42,12 @@ import optax
 from jax import lax
 
 from jmegatron.optim import checks
-from jmegatron.optim.matrix import (AdamW, PlanSource, WeightDecayMethod, at_step, descend,
-                                    held_zeros, matrix_leaves, on_owners, per_matrix,
+from jmegatron.optim.matrix import (AdamW, PlanLike, PlanSource, WeightDecayMethod, at_step,
+                                    descend, held_zeros, matrix_leaves, on_owners, per_matrix,
                                     scale_by_matrix_optimizer, with_adamw)
-from jmegatron.optim.plan import BLOCKS, HELD, ShardingPlan, matrix_state
+from jmegatron.optim.plan import BLOCKS, HELD, matrix_state
 from jmegatron.optim.routing import (Routing, flops_over_matrices, from_matrices,
                                      to_matrices)
-from jmegatron.sharding.layouts import Layout
-from jmegatron.sharding.rules import DEFAULT_RULES, Rules
 
 _HIGHEST = lax.Precision.HIGHEST
 
@@ -221,9 +219,7 @@ def scale_by_eigenbasis_adam(who: str, block: BlockStep, max_precond_dim: int,
 def scale_by_soap(*, b1: float = 0.95, b2: float = 0.95, shampoo_beta: float | None = None,
                   eps: float = 1e-8, precondition_frequency: int = 10,
                   max_precond_dim: int = 10_000, bias_correction: bool = True,
-                  routing: Routing = Routing(), mesh: jax.sharding.Mesh | None = None,
-                  layout: Layout | str | None = None, rules: Rules = DEFAULT_RULES,
-                  plan: ShardingPlan | None = None) -> optax.GradientTransformation:
+                  plan: PlanLike = None) -> optax.GradientTransformation:
     """SOAP's direction for matrix leaves: Adam in the eigenbasis of Shampoo's factors.
 
     Every leaf must be a matrix or a stack of them under ``routing``; ``soap``
@@ -250,14 +246,9 @@ def scale_by_soap(*, b1: float = 0.95, b2: float = 0.95, shampoo_beta: float | N
         (no factor).
       bias_correction: Adam's bias correction of both moments, counted in Adam
         steps (from the second step where a side is preconditioned).
-      routing: which leaves are matrices and how each splits into blocks
-        (``Routing``); every leaf this transformation sees must be a matrix.
-      mesh: the device mesh; None: no ``shard_map``.
-      layout: a ``Layout`` or its name; None: "fsdp" (with a mesh).
-      rules: the logical-to-mesh axis rules a layout given by name (or None) is
-        built on.
-      plan: a ``ShardingPlan`` replacing ``routing``, ``mesh``, ``layout`` and
-        ``rules`` (see ``scale_by_muon``).
+      plan: where the matrices live: a ``ShardingPlan`` (``make_plan``), or a
+        ``PlanSpec`` (routing, mesh, layout, rules) to make one from each tree
+        the transformation sees; None: ``PlanSpec()``, one device.
 
     Returns:
       An ``optax.GradientTransformation`` (state ``SoapState``) whose updates are
@@ -279,7 +270,7 @@ def scale_by_soap(*, b1: float = 0.95, b2: float = 0.95, shampoo_beta: float | N
         soap_block, b1=b1, b2=b2, shampoo_beta=b2 if shampoo_beta is None else shampoo_beta,
         eps=eps, precondition_frequency=precondition_frequency, bias_correction=bias_correction)
     return scale_by_eigenbasis_adam("scale_by_soap", block, max_precond_dim,
-                                    PlanSource(plan, routing, mesh, layout, rules))
+                                    PlanSource.of(plan))
 
 
 def add_decayed_weights_after_basis_step(weight_decay, source: PlanSource = PlanSource(),
@@ -314,9 +305,7 @@ def soap(learning_rate: optax.ScalarOrSchedule, *, b1: float = 0.95, b2: float =
          precondition_frequency: int = 10, max_precond_dim: int = 10_000,
          bias_correction: bool = True, weight_decay: float = 0.0,
          weight_decay_method: WeightDecayMethod = "decoupled",
-         routing: Routing = Routing(), mesh: jax.sharding.Mesh | None = None,
-         layout: Layout | str | None = None, rules: Rules = DEFAULT_RULES,
-         plan: ShardingPlan | None = None, adamw: AdamW = AdamW()
+         plan: PlanLike = None, adamw: AdamW = AdamW()
          ) -> optax.GradientTransformation:
     """SOAP for hidden matrices, AdamW for every other leaf.
 
@@ -341,13 +330,9 @@ def soap(learning_rate: optax.ScalarOrSchedule, *, b1: float = 0.95, b2: float =
         leaves take ``adamw.weight_decay``.
       weight_decay_method: "decoupled", "independent", "l2" or "palm" (see
         ``descend``).
-      routing: which leaves are matrices and how each splits into blocks.
-      mesh: the device mesh; None: no ``shard_map``.
-      layout: a ``Layout`` or its name; None: "fsdp" (with a mesh).
-      rules: the logical-to-mesh axis rules a layout given by name (or None) is
-        built on.
-      plan: a ``ShardingPlan`` replacing ``routing``, ``mesh``, ``layout`` and
-        ``rules``.
+      plan: where the matrices live: a ``ShardingPlan`` (``make_plan``), or a
+        ``PlanSpec`` (routing, mesh, layout, rules) to make one from each tree
+        the transformation sees; None: ``PlanSpec()``, one device.
       adamw: the AdamW of the other leaves (``AdamW``).
 
     Returns:
@@ -358,11 +343,11 @@ def soap(learning_rate: optax.ScalarOrSchedule, *, b1: float = 0.95, b2: float =
       Vyas et al., "SOAP: Improving and Stabilizing Shampoo using Adam",
         arXiv:2409.11321, 2024.
     """
-    source = PlanSource(plan, routing, mesh, layout, rules)
+    source = PlanSource.of(plan)
     direction = scale_by_soap(b1=b1, b2=b2, shampoo_beta=shampoo_beta, eps=eps,
                               precondition_frequency=precondition_frequency,
                               max_precond_dim=max_precond_dim, bias_correction=bias_correction,
-                              routing=routing, mesh=mesh, layout=layout, rules=rules, plan=plan)
+                              plan=plan)
     decay = lambda rate: add_decayed_weights_after_basis_step(rate, source, max_precond_dim)
     matrix = descend(direction, learning_rate, weight_decay, weight_decay_method, decay)
     return with_adamw("soap", matrix, source, learning_rate, adamw)
