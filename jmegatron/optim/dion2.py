@@ -136,7 +136,7 @@ from jax import lax
 from jmegatron.optim import checks
 from jmegatron.optim.coefficients import CoefficientSet, coefficient_set
 from jmegatron.optim.matrix import (AdamW, PlanLike, PlanSource, WeightDecayMethod, descend,
-                                    held_zeros, on_owners, scale_by_matrix_optimizer, with_adamw)
+                                    held_zeros, scale_by_matrix_optimizer, with_adamw)
 from jmegatron.optim.muon import ScaleMode, update_scale
 from jmegatron.optim.newton_schulz import newton_schulz, ns_flops, ns_step
 from jmegatron.optim.plan import HELD, LeafPlan, matrix_state
@@ -579,12 +579,15 @@ def scale_by_dion2(*, fraction: float = 0.25, ef_decay: float = 0.95,
                                       out_specs=(leaf.held, leaf.held))(g, m)
             return update, (m,)
         pairs = zip(to_matrices(g, spec), to_matrices(m.astype(jnp.float32), spec))
-        done = [on_owners(block_step, pair, leaf.placement, mesh) for pair in pairs]
+        done = [block_step(pair) for pair in pairs]   # whole matrices, on their owners
         update = from_matrices([u for u, _ in done], spec, g.shape)
         return update, (from_matrices([n for _, n in done], spec, m.shape).astype(m.dtype),)
 
+    # The split leaves communicate only their selection themselves; the others need whole
+    # matrices, which the skeleton runs on their owners.
     return scale_by_matrix_optimizer("scale_by_dion2", Dion2State, init_stack, update_stack,
-                                     source)
+                                     source, whole_matrices=lambda leaf:
+                                     matrix_split(leaf, mesh) is None)
 
 
 def dion2(learning_rate: optax.ScalarOrSchedule, *, fraction: float = 0.25,

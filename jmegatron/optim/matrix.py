@@ -34,7 +34,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jmegatron.optim import checks
 from jmegatron.optim.plan import BLOCKS, HELD, LeafPlan, ShardingPlan, make_plan, state_forms
-from jmegatron.optim.routing import ADAMW, Routing
+from jmegatron.optim.routing import ADAMW, Routing, batch_axes
 from jmegatron.sharding.layouts import Layout
 from jmegatron.sharding.rules import DEFAULT_RULES, Rules
 
@@ -193,8 +193,42 @@ def place_fields(fields: tuple, forms: tuple[str, ...], leaf: LeafPlan, mesh) ->
     return tuple(placed)
 
 
+# Whether an optimizer's math of a leaf needs whole matrices (SVD, eigh, a top-k over a
+# whole side): True, False (it communicates itself, as Newton-Schulz's tensor-parallel
+# modes), or a function of the leaf.
+WholeMatrices = bool | Callable[[LeafPlan], bool]
+
+
+def whole_spec(leaf: LeafPlan) -> P:
+    """The sharding of arrays held like ``leaf`` with every matrix whole: the stack
+    axes split as held, the matrix dims not at all."""
+    held = tuple(leaf.held) + (None,) * (len(leaf.shape) - len(tuple(leaf.held)))
+    stack = batch_axes(leaf.route.spec, len(leaf.shape))
+    return P(*(held[d] if d in stack else None for d in range(len(leaf.shape))))
+
+
+def on_owners(update_stack: UpdateStack, kinds: tuple[str, ...], mesh) -> UpdateStack:
+    """``update_stack`` run where the layout puts whole matrices: in ``jax.shard_map``,
+    each device on its own slice of the stack (the owners under layerwise and owner;
+    under fsdp every device gathers every matrix: duplicated work), as plain
+    single-device code. Without a mesh or a placement, as it is."""
+
+    def run(g, fields, count, leaf):
+        if mesh is None or leaf.placement is None:
+            return update_stack(g, fields, count, leaf)
+        whole = whole_spec(leaf)
+        specs = tuple(jax.tree.map(lambda x: whole if kind == HELD else
+                                   leaf.blocks_spec(x.ndim), value)
+                      for value, kind in zip(fields, kinds))
+        return jax.shard_map(lambda g, fields, count: update_stack(g, fields, count, leaf),
+                             mesh=mesh, in_specs=(whole, specs, P()),
+                             out_specs=(whole, specs))(g, fields, count)
+    return run
+
+
 def scale_by_matrix_optimizer(who: str, state_type: type[NamedTuple], init_stack: InitStack,
-                              update_stack: UpdateStack, source: PlanSource
+                              update_stack: UpdateStack, source: PlanSource,
+                              whole_matrices: WholeMatrices = False
                               ) -> optax.GradientTransformation:
     """The skeleton (see the module docstring) around one optimizer's math.
 
@@ -209,6 +243,10 @@ def scale_by_matrix_optimizer(who: str, state_type: type[NamedTuple], init_stack
         update.
       source: where the plan comes from (``jmegatron.optim.matrix.PlanSource``:
         the one given, or one made from each tree).
+      whole_matrices: whether ``update_stack`` needs whole matrices (True: the
+        skeleton runs it on their owners, ``on_owners``, and the math is
+        single-device code; False: it gets the arrays as held and communicates
+        itself; or a function of the ``LeafPlan`` deciding per leaf).
 
     Returns:
       An ``optax.GradientTransformation`` with state ``state_type``.
@@ -217,6 +255,8 @@ def scale_by_matrix_optimizer(who: str, state_type: type[NamedTuple], init_stack
     names = state_type._fields[1:]
     kinds = tuple(forms[name] for name in names)
     assert set(kinds) <= {HELD, BLOCKS} and len(kinds) == len(forms), (who, forms)
+    whole = whole_matrices if callable(whole_matrices) else lambda leaf: whole_matrices
+    owned = on_owners(update_stack, kinds, source.placed_on)
 
     def init_fn(params):
         plan = source.at_init(params, who)
@@ -241,7 +281,8 @@ def scale_by_matrix_optimizer(who: str, state_type: type[NamedTuple], init_stack
             g32 = g.astype(jnp.float32)
             if leaf.placement is not None:   # gradients reach the owners of their matrices
                 g32 = _constrain(leaf.placement.pad(g32), mesh, leaf.held)
-            direction, mine = update_stack(g32, tuple(f[i] for f in fields), count, leaf)
+            step = owned if whole(leaf) else update_stack
+            direction, mine = step(g32, tuple(f[i] for f in fields), count, leaf)
             if leaf.placement is not None:   # updates go back to where the params live
                 direction = _constrain(leaf.placement.unpad(direction), mesh, leaf.param)
             out[i] = _like(subs[i], direction.astype(g.dtype))
@@ -250,18 +291,6 @@ def scale_by_matrix_optimizer(who: str, state_type: type[NamedTuple], init_stack
         return plan.join(out), state_type(count, *(plan.join(f) for f in new_fields))
 
     return optax.GradientTransformation(init_fn, update_fn)
-
-
-def on_owners(fn: Callable, tree, at, mesh, *scalars):
-    """``fn(tree, *scalars)`` on whole matrices: with a placement ``at``, in
-    ``jax.shard_map`` over its stack, each device on its own slice of the stack
-    (matrices split over other axes, e.g. tensor, are gathered first: duplicated
-    work); else as it is. ``tree``'s arrays (and ``fn``'s results) are stacks
-    [*stack, ...]; ``scalars`` are replicated."""
-    if at is None:
-        return fn(tree, *scalars)
-    return jax.shard_map(fn, mesh=mesh, in_specs=(at.blocks, *(P(),) * len(scalars)),
-                         out_specs=at.blocks)(tree, *scalars)
 
 
 def per_matrix(fn: Callable, x: jax.Array):

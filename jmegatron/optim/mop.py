@@ -18,8 +18,7 @@ import jax.numpy as jnp
 import optax
 
 from jmegatron.optim.matrix import (AdamW, PlanLike, PlanSource, WeightDecayMethod, descend,
-                                    held_zeros, on_owners, per_matrix, scale_by_matrix_optimizer,
-                                    with_adamw)
+                                    held_zeros, per_matrix, scale_by_matrix_optimizer, with_adamw)
 from jmegatron.optim.muon import MuonState, check_momentum_args, momentum_step, update_scale
 from jmegatron.optim.routing import (Routing, flops_over_matrices, from_matrices,
                                      to_matrices)
@@ -101,7 +100,6 @@ def scale_by_mop(*, beta: float = 0.95, nesterov: bool = False,
         raise ValueError(f"unknown MOP scale {scale!r}; one of {get_args(MopScale)}")
     check_momentum_args(beta, rms_factor, momentum_dtype)
     source = PlanSource.of(plan)
-    mesh = source.placed_on
     polar = lambda stack: scaled_polar(stack, scale, rms_factor)
 
     def init_stack(x, leaf):
@@ -111,11 +109,11 @@ def scale_by_mop(*, beta: float = 0.95, nesterov: bool = False,
         (m,) = fields
         m32, d = momentum_step(g, m.astype(jnp.float32), count, beta, "ema", nesterov, False)
         spec = leaf.route.spec
-        blocks = [on_owners(polar, b, leaf.placement, mesh) for b in to_matrices(d, spec)]
+        blocks = [polar(b) for b in to_matrices(d, spec)]
         return from_matrices(blocks, spec, d.shape), (m32.astype(m.dtype),)
 
     return scale_by_matrix_optimizer("scale_by_mop", MuonState, init_stack, update_stack,
-                                     source)
+                                     source, whole_matrices=True)
 
 
 def mop(learning_rate: optax.ScalarOrSchedule, *, beta: float = 0.95, nesterov: bool = False,

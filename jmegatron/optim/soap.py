@@ -43,7 +43,7 @@ from jax import lax
 
 from jmegatron.optim import checks
 from jmegatron.optim.matrix import (AdamW, PlanLike, PlanSource, WeightDecayMethod, at_step,
-                                    descend, held_zeros, matrix_leaves, on_owners, per_matrix,
+                                    descend, held_zeros, matrix_leaves, per_matrix,
                                     scale_by_matrix_optimizer, with_adamw)
 from jmegatron.optim.plan import BLOCKS, HELD, matrix_state
 from jmegatron.optim.routing import (Routing, flops_over_matrices, from_matrices,
@@ -195,7 +195,6 @@ def scale_by_eigenbasis_adam(who: str, block: BlockStep, max_precond_dim: int,
     ``SoapState``): ``block`` steps one stack of blocks; the bases start as
     ``basis`` (see ``_empty_factors``)."""
     checks.integer("max_precond_dim", max_precond_dim, 0)
-    mesh = source.placed_on
 
     def init_stack(x, leaf):
         zeros = held_zeros(x, leaf, jnp.float32)
@@ -205,15 +204,15 @@ def scale_by_eigenbasis_adam(who: str, block: BlockStep, max_precond_dim: int,
 
     def update_stack(g, fields, count, leaf):
         mu, nu, factors = fields
-        spec, at = leaf.route.spec, leaf.placement
-        step = lambda args, count: block(*args, count)
-        blocks = [on_owners(step, args, at, mesh, count) for args in zip(
+        spec = leaf.route.spec
+        blocks = [block(*args, count) for args in zip(
             to_matrices(g, spec), to_matrices(mu, spec), to_matrices(nu, spec), factors)]
         direction, m, v, f = (list(z) for z in zip(*blocks))
         direction, m, v = (from_matrices(z, spec, g.shape) for z in (direction, m, v))
         return direction, (m, v, tuple(f))
 
-    return scale_by_matrix_optimizer(who, SoapState, init_stack, update_stack, source)
+    return scale_by_matrix_optimizer(who, SoapState, init_stack, update_stack, source,
+                                     whole_matrices=True)
 
 
 def scale_by_soap(*, b1: float = 0.95, b2: float = 0.95, shampoo_beta: float | None = None,
