@@ -213,6 +213,34 @@ def test_cli_runs_three_steps_and_writes_every_output(tmp_path):
     assert 0 < saved["val_unigram_entropy"] < 5
 
 
+def test_an_unknown_optimizer_is_refused_when_parsed():
+    with pytest.raises(SystemExit) as exit_info:
+        train_cli.main(SMALL + ["--optim", "lion"])
+    message = exit_info.value.code
+    assert message.startswith("error: --optim 'lion': must be one of muon, ") and "\n" not in message
+
+
+def test_a_registry_entry_is_all_a_new_optimizer_needs(monkeypatch, tmp_path):
+    """A test optimizer (sign descent on the matrices, AdamW elsewhere) registered under
+    a new name trains from the command line, its update RMS logged under its name."""
+    from jmegatron.optim.matrix import PlanSource, descend, with_adamw
+    from jmegatron.train import registry
+
+    def signum(cfg, schedule, common):
+        matrix = descend(optax.scale_by_sign(), schedule, common["weight_decay"],
+                         common["weight_decay_method"])
+        return with_adamw("signum", matrix, PlanSource.of(common["plan"]), schedule,
+                          common["adamw"])
+
+    monkeypatch.setitem(registry.OPTIMIZERS, "signum",
+                        registry.Entry(("muon",), signum, lambda cfg: lambda m, n: 0))
+    train_cli.main(SMALL + ["--optim", "signum", "--steps", "2", "--eval-every", "2",
+                            "--out-dir", str(tmp_path), "--name", "run"])
+    records = [json.loads(line) for line in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
+    assert [r["update_rms_signum"] > 0 for r in records if "loss" in r] == [True, True]
+    assert "signum" in (tmp_path / "run/routing.txt").read_text()
+
+
 @pytest.mark.parametrize("args, message", [
     (["--data.path", "/no/such/corpus"], "'/no/such/corpus' does not exist"),
     (["--seq-len", "1000000"], "seq_len=1000000 needs at least 1000001 tokens"),
@@ -244,10 +272,10 @@ def test_every_registered_optimizer_builds_from_its_entry():
     """``registry.OPTIMIZERS`` alone decides --optim's choices, the option groups a
     resume keeps, the transformation, its FLOPs and the cost the plan balances
     owners by (one per-matrix FLOP count for both)."""
-    from jmegatron.train.registry import OPTIMIZER_NAMES, OPTIMIZERS
+    from jmegatron.train.registry import OPTIMIZERS, optimizer_names
     abstract = nnx.split(nnx.eval_shape(lambda: GPT(MODEL, nnx.Rngs(0))))[1]
     assert train_cli.parse(["--optim", "rekls"]).optim == "rekls"
-    assert set(OPTIMIZER_NAMES) == {*OPTIMIZERS, "adamw"}
+    assert set(optimizer_names()) == {*OPTIMIZERS, "adamw"}
     for name, entry in OPTIMIZERS.items():
         cfg = TrainConfig(optim=name)
         assert cfg.optimizer_groups == entry.groups

@@ -8,11 +8,7 @@ from typing import Literal
 
 from jmegatron.models.config import ConfigError, GPTConfig
 from jmegatron.sharding.mesh import MeshConfig
-from jmegatron.train.registry import OPTIMIZER_NAMES, OPTIMIZERS
-
-# --optim's choices, read off the registry (a name with no entry fails to parse).
-OptimizerName = Literal[OPTIMIZER_NAMES]
-
+from jmegatron.train.registry import OPTIMIZERS, optimizer_names
 
 def require(flag: str, value, ok: bool, want: str) -> None:
     """Raises ConfigError naming the flag, its value and what it must be."""
@@ -328,10 +324,10 @@ class TrainConfig:
     stack to the next) or balanced (heaviest stacks first, evening the per-rank
     Newton-Schulz load where the ranks do not divide a stack)."""
     data: DataConfig = DataConfig()
-    optim: OptimizerName = "muon"
-    """A matrix optimizer (muon, muon_bp, soap, mop, adaptive_muon, rekls, dion2) for hidden
-    matrices and
-    AdamW for the rest; adamw: AdamW for all."""
+    optim: str = "muon"
+    """A matrix optimizer for hidden matrices and AdamW for the rest (muon, muon_bp, soap, mop,
+    adaptive_muon, rekls, dion2: every entry of jmegatron.train.registry.OPTIMIZERS, checked
+    when parsed); adamw: AdamW for all."""
     lr: float = 3e-3
     """Peak learning rate (Muon's updates are scaled to AdamW's RMS, so one rate fits both)."""
     weight_decay: float = 0.1
@@ -413,6 +409,8 @@ class TrainConfig:
     """Show a progress bar."""
 
     def __post_init__(self):
+        require("optim", self.optim, self.optim in optimizer_names(),
+                f"one of {', '.join(optimizer_names())} (jmegatron.train.registry)")
         for name in ("steps", "batch_size", "seq_len", "microbatches", "eval_every",
                      "eval_batches", "log_every", "max_skipped", "top_k", "cpu_devices"):
             require(name.replace("_", "-"), getattr(self, name), getattr(self, name) >= 1, ">= 1")

@@ -142,5 +142,6 @@ OPTIMIZERS: dict[str, Entry] = {
         m, n, cfg.rekls.max_precond_dim)),
     "dion2": Entry(("dion2",), _dion2, _dion2_flops),
 }
-# Every --optim: the matrix optimizers, and AdamW on every leaf.
-OPTIMIZER_NAMES = (*OPTIMIZERS, "adamw")
+def optimizer_names() -> tuple[str, ...]:
+    """Every --optim: the matrix optimizers registered now, and AdamW on every leaf."""
+    return (*OPTIMIZERS, "adamw")
