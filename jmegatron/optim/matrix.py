@@ -16,10 +16,18 @@ unpads, and constrains the update back to where the param lives and the new
 state to the plan's placement (``HELD`` and ``BLOCKS`` fields, declared on
 the state type with ``plan.matrix_state``).
 
-The plan is a static input (``plan=``); without one, it is made from the
-tree each call sees (a pure function of the tree's paths, shapes and logical
-axes, the mesh, the layout and the routing). Updates that carry no logical
-axes (``nnx.Optimizer`` hands over plain arrays) need ``plan=``.
+Where the math runs is the skeleton's decision too: math that needs whole
+matrices (an SVD, an eigenbasis, a top-k over a side) declares
+``whole_matrices`` and is written as single-device code, which the skeleton
+runs on the matrices' owners (``on_owners``); math that communicates on its
+own terms (Newton-Schulz's tensor-parallel modes) gets the arrays as held.
+
+Every optimizer takes its placement as one argument, ``plan=``: a
+``ShardingPlan`` (made once, a static input), or a ``PlanSpec`` (routing,
+mesh, layout, rules) from which a plan is made from the tree each call sees
+(a pure function of the tree's paths, shapes and logical axes). Updates that
+carry no logical axes (``nnx.Optimizer`` hands over plain arrays) need a
+``ShardingPlan``.
 """
 
 from __future__ import annotations
