@@ -59,56 +59,69 @@ reference refuses ``split_sizes`` for Dion2 and scales by the whole param).
 Under a mesh (what moves, per device and optimizer step; ring collectives as
 ``jmegatron.sharding.hlo`` counts them; fp32, 4 bytes an element; a matrix's
 s slices along the selected dim have t entries each; k = ``selected_count``;
-the held state splits the matrix g ways; r = (g - 1) / g):
+the held state splits the s side gs ways and the t side gt ways, the matrix
+g = gs gt ways; r = (g - 1) / g):
 
 - **Whole matrices on their devices** (owner, layerwise, replicated layouts; no
   mesh): each block's step runs in ``jax.shard_map`` over its stack on the
   devices holding its state (``matrix.on_owners``, as MOP); no collective.
   ``selection="local"`` is the global selection there (the reference's too:
   off its row-sharded path the scope is a no-op).
-- **One side split** (the ``fsdp`` layout: ``embed`` over ``fsdp``; exactly
-  one matrix dim of the view split over mesh axes other than ``tensor``, in
-  contiguous blocks: ``matrix_split``): one ``jax.shard_map`` per leaf whose
-  in_specs are the held spec, so each device keeps its own shard and nothing
-  gathers the whole matrix (``sharded_dion2_block``). Muon on fsdp (and this
-  module before) all-gathers every whole matrix: r s t.
+- **Split matrices** (the ``fsdp`` layout: ``embed`` over ``fsdp``, and with a
+  ``tensor`` axis heads/``mlp`` over ``tensor`` too; ``matrix_split``: on each
+  side of the view at most one leaf dim split, over any mesh axes, led only by
+  size-1 dims on its side and not the fused blocks' split axis, so each
+  device's shard of a block is one contiguous block of each side): one
+  ``jax.shard_map`` per leaf whose in_specs are the held spec, so each device
+  keeps its own shard and nothing gathers the whole matrix
+  (``sharded_dion2_block``). Muon on fsdp (and this module before) all-gathers
+  every whole matrix: r s t.
 
   ``selection="global"`` (default): the single-device selection (the shorter
-  side), equal to ``dion2_block`` to fp32 round-off. The L1 norms are summed
-  locally and combined: t split, a psum of the s partial sums (2 r s); s split,
-  an all-gather of the s local norms (r s). Every device takes the same top-k
+  side), equal to ``dion2_block`` to fp32 round-off. Each device sums the L1
+  norms of its entries of its s/gs slices; a psum over the t side's axes
+  completes them (2 (gt-1)/gt s/gs) and an all-gather over the s side's axes
+  collects all s ((gs-1)/gs s). Every device takes the same top-k
   (``jax.lax.top_k``, ties by the lower index). The [k, t] submatrix is
-  assembled from the selected slices only: t split, an all-gather of each
-  device's [k, t/g] along t (r k t, alpha of Muon's bytes); s split, each
-  device writes the selected slices it holds into a zero [k, t] and a psum
-  adds them (2 r k t, 2 alpha of a whole-matrix gather: an all-reduce is a
-  reduce-scatter and an all-gather). A fixed-size all-gather cannot do the
-  latter: how many of the k slices a shard holds depends on the data (0 to
-  min(k, s/g)), and padding every shard to min(k, s/g) rows sends g min(k, s/g)
-  t, the whole matrix once alpha >= 1/g. Adding zeros is exact, so the
-  submatrix is bitwise one device's. Total: 2 r s + r k t (t split),
-  r s + 2 r k t (s split); ``sharded_bytes``.
+  assembled from the selected slices only: each device writes the selected
+  slices it holds (its t/gt entries of them) into a zero [k, t/gt] and a psum
+  over the s side's axes adds them (2 (gs-1)/gs k t/gt), then an all-gather
+  along t over the t side's axes completes the rows ((gt-1)/gt k t). A
+  fixed-size all-gather cannot replace the psum: how many of the k slices a
+  shard holds depends on the data (0 to min(k, s/gs)), and padding every shard
+  to min(k, s/gs) rows sends gs min(k, s/gs) t/gt, the whole matrix once
+  alpha >= 1/gs. Adding zeros is exact, so the submatrix is bitwise one
+  device's. Total (``sharded_bytes``): 2 (gt-1)/gt s/gs + (gs-1)/gs s +
+  2 (gs-1)/gs k t/gt + (gt-1)/gt k t; with one side split, 2 r s + r k t
+  (t split, ~alpha of Muon's bytes) or r s + 2 r k t (s split, ~2 alpha: an
+  all-reduce is a reduce-scatter and an all-gather).
 
   ``selection="local"`` (microsoft/dion's default ``selection_scope`` for its
-  FSDP2 row-sharded path): the slices along the split dim (as the reference,
-  which aligns ``select_dim`` with the shard dim even where that is the longer
-  side); each shard takes its own top k_local = ``selected_count(fraction,
-  s/g)`` (the reference's ``max(1, ceil(fraction * ceil(s / g)))``), a fixed
-  count, so one all-gather of [k_local, t] per device gives the [g k_local, t]
-  submatrix: r g k_local t, alpha of Muon's bytes, no norm exchange. The
-  selection depends on the sharding (the union of per-shard top-k's).
+  FSDP2 row-sharded path), one side split only: the slices along the split dim
+  (as the reference, which aligns ``select_dim`` with the shard dim even where
+  that is the longer side); each shard takes its own top k_local =
+  ``selected_count(fraction, s/g)`` (the reference's ``max(1, ceil(fraction *
+  ceil(s / g)))``), a fixed count, so one all-gather of [k_local, t] per device
+  gives the [g k_local, t] submatrix: r g k_local t, alpha of Muon's bytes, no
+  norm exchange. The selection depends on the sharding (the union of per-shard
+  top-k's). With both sides split, "local" is the global selection (as where
+  matrices are whole; a per-shard selection there is not built).
 
   Either way the submatrix is orthogonalized on every device of the shard
   group (duplicated work, as Muon on fsdp; the reference instead spreads the
   matrices of a same-shape batch over its ranks with all-to-alls) and each
-  device keeps its own part of the update and of the error-feedback decay.
-  Measured (tests/test_dion2.py's 3-layer d=32 model, fsdp 8, alpha 0.25):
-  global 45,696 bytes per device, local 24,192, Muon 96,768; the default model
-  (d=128, 2 layers, d_ff 384): global 637,952, local 344,064, Muon 1,376,256.
-- **Anything else** (a matrix also split over ``tensor``, two matrix dims split,
-  the split dim not leading its side of the view or the fused blocks' split
-  axis): today's path, ``matrix.on_owners`` gathers whole matrices (r s t) and
-  selects globally, whatever ``selection`` says.
+  device keeps its own rows and columns of the update and of the
+  error-feedback decay. Measured (one optimizer step's HLO, alpha 0.25; global,
+  local, Muon): tests/test_dion2.py's 3-layer d=32 model on fsdp 8: 45,696,
+  24,192, 96,768 bytes per device; on fsdp 4 x tensor 2: 35,520 (both),
+  96,768; on data 2 x fsdp 2 x tensor 2 (the CLI's default): 29,952 (both),
+  82,944. The default model (d=128, 2 layers, d_ff 384) on fsdp 8: 637,952,
+  344,064, 1,376,256; fsdp 4 x tensor 2: 481,792, 1,376,256; data 2 x fsdp 2 x
+  tensor 2: 399,360, 1,179,648.
+- **Anything else** (two dims of one side split, the fused blocks' split axis
+  split, a split dim after a longer one on its side): today's path,
+  ``matrix.on_owners`` gathers whole matrices (r s t) and selects globally,
+  whatever ``selection`` says.
 
 NorDion2 (``dion/nordion2.py``, also exported as ``Dion3``) is not built here.
 It always selects rows of [out, in] (output neurons, our fan_out columns),
@@ -298,37 +311,63 @@ def dion2_block(g: jax.Array, m: jax.Array, fraction: float, ef_decay: float,
 
 Selection = Literal["global", "local"]
 SELECTIONS: tuple[str, ...] = get_args(Selection)
-TENSOR_AXIS = "tensor"   # Megatron's tensor-parallel mesh axis: matrices split over it keep
-                         # today's path (whole matrices gathered)
 
 
 @dataclasses.dataclass(frozen=True)
 class MatrixSplit:
-    """How a leaf's held state splits each matrix [fan_in, fan_out] of its view: one
-    side in ``size`` contiguous blocks over ``axes`` (the fsdp layout's ``embed``).
+    """How a leaf's held state splits each matrix [fan_in, fan_out] of its view: each
+    side in contiguous blocks over its own mesh axes (either possibly none).
 
     Attributes:
-      side: -2 (fan_in split) or -1 (fan_out split).
-      axes: the mesh axes of that side's PartitionSpec entry, in its order (a
-        device's block is its row-major index over them, ``lax.axis_index``).
-      size: the blocks: the product of those axes' sizes.
+      in_axes: the mesh axes splitting fan_in (its PartitionSpec entry, in order:
+        a device's block is its row-major index over them, ``lax.axis_index``).
+      out_axes: those splitting fan_out.
+      in_size: fan_in's blocks, the product of ``in_axes``' sizes (1: whole).
+      out_size: fan_out's blocks.
     """
 
-    side: int
-    axes: tuple[str, ...]
-    size: int
+    in_axes: tuple[str, ...]
+    out_axes: tuple[str, ...]
+    in_size: int
+    out_size: int
+
+    def axes_of(self, side: int) -> tuple[str, ...]:
+        """The mesh axes splitting ``side`` (-2 fan_in, -1 fan_out)."""
+        return self.in_axes if side == -2 else self.out_axes
+
+    def size_of(self, side: int) -> int:
+        """The blocks of ``side`` (-2 fan_in, -1 fan_out)."""
+        return self.in_size if side == -2 else self.out_size
+
+    @property
+    def side(self) -> int | None:
+        """The one split side (-2 or -1); None when both are split."""
+        if self.in_axes and self.out_axes:
+            return None
+        return -2 if self.in_axes else -1
+
+    @property
+    def axes(self) -> tuple[str, ...]:
+        """Every splitting mesh axis, fan_in's first."""
+        return self.in_axes + self.out_axes
+
+    @property
+    def size(self) -> int:
+        """The shards of a matrix, ``in_size * out_size``."""
+        return self.in_size * self.out_size
 
 
 def matrix_split(leaf: LeafPlan, mesh: jax.sharding.Mesh | None) -> MatrixSplit | None:
     """The split of ``leaf``'s matrices that ``sharded_dion2_block`` handles, or None.
 
-    Handled: the held spec (``leaf.held``) splits exactly one leaf axis among the
-    matrix view's ``in_axes`` and ``out_axes`` over mesh axes of size > 1, none of
-    them ``TENSOR_AXIS``; that axis is not the blocks' ``split_axis`` and only
-    size-1 axes come before it on its side, so each device's shard of every block
-    is one contiguous block of the merged dim (``to_matrices`` of the shard is the
-    shard of ``to_matrices``). Batch axes may be split (each device its own
-    matrices, as in ``on_owners``).
+    Handled: on each side of the matrix view (``in_axes``, ``out_axes``) the held
+    spec (``leaf.held``) splits at most one leaf axis over mesh axes of size > 1
+    (any of them, ``tensor`` included), and at least one side is split; a split
+    axis is not the blocks' ``split_axis`` and only size-1 axes come before it on
+    its side, so each device's shard of every block is one contiguous block of
+    each merged dim (``to_matrices`` of the shard is the shard of
+    ``to_matrices``). Batch axes may be split (each device its own matrices, as
+    in ``on_owners``).
 
     Args:
       leaf: a matrix leaf's plan.
@@ -336,26 +375,40 @@ def matrix_split(leaf: LeafPlan, mesh: jax.sharding.Mesh | None) -> MatrixSplit 
 
     Returns:
       The ``MatrixSplit``; None where each device holds whole matrices (owner,
-      layerwise, replicated layouts, no mesh) and in every case not handled
-      (several matrix dims split, the tensor axis, a non-leading dim): those keep
-      ``on_owners``, which gathers whole matrices.
+      layerwise, replicated layouts, no mesh) and in every case not handled (two
+      dims of one side split, the fused split axis split, a split dim after a
+      longer one on its side): those keep ``on_owners``, which gathers whole
+      matrices.
     """
     if mesh is None or leaf.placement is None:
         return None
     spec = leaf.route.spec
     held = tuple(leaf.held) + (None,) * (len(leaf.shape) - len(tuple(leaf.held)))
     live = lambda dim: tuple(a for a in spec_axes(held[dim]) if mesh.shape[a] > 1)
-    split = [dim for dim in spec.in_axes + spec.out_axes if live(dim)]
-    if len(split) != 1 or TENSOR_AXIS in live(split[0]) or split[0] == spec.split_axis:
+    found = []
+    for axes in (spec.in_axes, spec.out_axes):
+        split = [dim for dim in axes if live(dim)]
+        if len(split) > 1 or spec.split_axis in split:
+            return None
+        if not split:
+            found.append(((), 1))
+            continue
+        before = axes[:axes.index(split[0])]
+        if any((max(spec.split_sizes) if a == spec.split_axis else leaf.shape[a]) != 1
+               for a in before):
+            return None
+        names = spec_axes(held[split[0]])
+        found.append((names, math.prod(mesh.shape[a] for a in names)))
+    (in_axes, in_size), (out_axes, out_size) = found
+    if in_size * out_size == 1:
         return None
-    dim = split[0]
-    side, axes = (-2, spec.in_axes) if dim in spec.in_axes else (-1, spec.out_axes)
-    before = axes[:axes.index(dim)]
-    if any((max(spec.split_sizes) if a == spec.split_axis else leaf.shape[a]) != 1
-           for a in before):
-        return None
-    names = spec_axes(held[dim])
-    return MatrixSplit(side, names, math.prod(mesh.shape[a] for a in names))
+    return MatrixSplit(in_axes, out_axes, in_size, out_size)
+
+
+def selects_locally(split: MatrixSplit, selection: Selection) -> bool:
+    """Whether ``sharded_dion2_block`` selects per shard: "local" with one side split
+    (with both, "local" selects globally, as where matrices are whole)."""
+    return selection == "local" and split.side is not None
 
 
 def sharded_dion2_block(g: jax.Array, m: jax.Array, split: MatrixSplit, fan_in: int,
@@ -364,14 +417,14 @@ def sharded_dion2_block(g: jax.Array, m: jax.Array, split: MatrixSplit, fan_in: 
                         ) -> tuple[jax.Array, jax.Array]:
     """One Dion2 step of this device's shard of a block stack, inside ``jax.shard_map``.
 
-    ``g`` and ``m`` are this device's [..., fan_in, fan_out] blocks with the
-    ``split.side`` dim cut ``split.size`` ways over ``split.axes`` (module
-    docstring, "Under a mesh"). Global selection: the slices along
-    ``selection_axis(fan_in, fan_out)`` (s of them, t entries each), the same
-    top-k on every device as ``dion2_block``; local: the slices along the split
-    dim, each device its own top ``selected_count(fraction, s / size)``. Only the
-    selected slices travel; the [k, t] submatrix is orthogonalized on every
-    device of the group and each keeps its own part.
+    ``g`` and ``m`` are this device's [..., fan_in, fan_out] blocks, each side cut
+    as ``split`` says (module docstring, "Under a mesh"). Global selection: the
+    slices along ``selection_axis(fan_in, fan_out)`` (s of them, t entries each),
+    the same top-k on every device as ``dion2_block``; local (one side split
+    only): the slices along the split dim, each device its own top
+    ``selected_count(fraction, s / size)``. Only the selected slices travel; the
+    [k, t] submatrix is orthogonalized on every device of the group and each
+    keeps its own part.
 
     Args:
       g: this device's gradient blocks, fp32.
@@ -379,7 +432,8 @@ def sharded_dion2_block(g: jax.Array, m: jax.Array, split: MatrixSplit, fan_in: 
       split: how the matrices are split (``matrix_split``).
       fan_in: the whole matrix's rows.
       fan_out: its columns.
-      selection: "global" (equal to one device) or "local" (per shard).
+      selection: "global" (equal to one device) or "local" (per shard, where one
+        side is split; else global).
       fraction: the fraction of slices selected (of the whole dim, or of each
         shard's under "local").
       ef_decay: the decay of the selected slices of the momentum.
@@ -388,60 +442,70 @@ def sharded_dion2_block(g: jax.Array, m: jax.Array, split: MatrixSplit, fan_in: 
     Returns:
       (this device's part of the update, unscaled; of the new momentum).
     """
-    axis = split.side if selection == "local" else selection_axis(fan_in, fan_out)
+    local = selects_locally(split, selection)
+    axis = split.side if local else selection_axis(fan_in, fan_out)
     rows = lambda a: a if axis == -2 else jnp.swapaxes(a, -1, -2)   # selected slices as rows
     m = rows(m + g)                              # [..., slices held here, their entries here]
-    names, rank = split.axes, lax.axis_index(split.axes)
+    s_axes, t_axes = split.axes_of(axis), split.axes_of(-3 - axis)
     here, width = m.shape[-2:]
     slice_dim, entry_dim = m.ndim - 2, m.ndim - 1   # non-negative, as collectives take them
                                                     # (slice_dim is also the norms' last)
     norms = jnp.sum(jnp.abs(m), axis=-1)         # [..., here]; partial sums if t is split
-    if split.side == axis and selection == "global":
-        # s split: whole norms here, gathered (s floats) for the global top-k. How many
-        # of the k selected slices a shard holds depends on the data, so no fixed-size
-        # gather fits: each shard writes its own into a zero [k, t] and a psum adds
-        # them up (x + 0 is exact: the submatrix is bitwise one device's).
-        norms = lax.all_gather(norms, names, axis=slice_dim, tiled=True)      # [..., s]
-        _, idx = lax.top_k(norms, selected_count(fraction, norms.shape[-1]))
-        local = idx - rank * here                                             # [..., k]
-        where = jnp.broadcast_to(jnp.clip(local, 0, here - 1)[..., None], (*idx.shape, width))
-        mine = ((local >= 0) & (local < here))[..., None]
-        sub = lax.psum(jnp.where(mine, jnp.take_along_axis(m, where, axis=-2), 0.0), names)
-        hits = local[..., :, None] == jnp.arange(here)                       # [..., k, here]
-        chosen = jnp.any(hits, axis=-2)[..., None]                           # [..., here, 1]
-        slot = jnp.broadcast_to(jnp.argmax(hits, axis=-2)[..., None], m.shape)
-        update = jnp.where(chosen, jnp.take_along_axis(orthogonalize(sub), slot, axis=-2), 0.0)
-    else:
-        k = selected_count(fraction, here)   # t split: here is s; local: this shard's
-        if split.side != axis:
-            # t split: each device sums its entries of every slice; the psum gives
-            # every device the same sums (an all-reduce's result is one), so the same
-            # top-k; the selected rows' shards are gathered along t.
-            norms = lax.psum(norms, names)                                    # [..., s]
-            gather_dim, part = entry_dim, width
-        else:
-            # local: each shard its own top-k, a fixed count: a fixed-size gather
-            # along the selected dim.
-            gather_dim, part = slice_dim, k
+    if local:
+        # One side split, the selected one: each shard its own top-k, a fixed count, so
+        # a fixed-size gather along the selected dim; no norm exchange.
+        k = selected_count(fraction, here)
+        rank = lax.axis_index(s_axes)
         _, idx = lax.top_k(norms, k)
         where = jnp.broadcast_to(idx[..., None], (*idx.shape, width))
-        sub = lax.all_gather(jnp.take_along_axis(m, where, axis=-2), names, axis=gather_dim,
-                             tiled=True)          # t split: [..., k, t]; local: [..., g k, t]
-        own = lax.dynamic_slice_in_dim(orthogonalize(sub), rank * part, part, axis=gather_dim)
+        sub = lax.all_gather(jnp.take_along_axis(m, where, axis=-2), s_axes, axis=slice_dim,
+                             tiled=True)                                      # [..., g k, t]
+        own = lax.dynamic_slice_in_dim(orthogonalize(sub), rank * k, k, axis=slice_dim)
         update = jnp.put_along_axis(jnp.zeros_like(m), where, own, axis=-2, inplace=False)
         chosen = jnp.any(idx[..., :, None] == jnp.arange(here), axis=-2)[..., None]
-    decayed = jnp.where(chosen, ef_decay * m, m)
-    return rows(update), rows(decayed)
+        return rows(update), rows(jnp.where(chosen, ef_decay * m, m))
+    # Global: the L1 norms summed over t's shards (a psum: every device gets the same
+    # sums, an all-reduce's result is one), the s side's gathered; the same top-k on
+    # every device.
+    if t_axes:
+        norms = lax.psum(norms, t_axes)                                       # [..., here]
+    if s_axes:
+        norms = lax.all_gather(norms, s_axes, axis=slice_dim, tiled=True)     # [..., s]
+    _, idx = lax.top_k(norms, selected_count(fraction, norms.shape[-1]))
+    # How many of the k selected slices an s shard holds depends on the data, so no
+    # fixed-size gather fits: each shard writes its own into a zero [k, t/gt] and a
+    # psum over the s side adds them up (x + 0 is exact: bitwise one device's).
+    first = lax.axis_index(s_axes) * here if s_axes else 0
+    local_idx = idx - first                                                   # [..., k]
+    where = jnp.broadcast_to(jnp.clip(local_idx, 0, here - 1)[..., None], (*idx.shape, width))
+    mine = ((local_idx >= 0) & (local_idx < here))[..., None]
+    sub = jnp.where(mine, jnp.take_along_axis(m, where, axis=-2), 0.0)       # [..., k, t/gt]
+    if s_axes:
+        sub = lax.psum(sub, s_axes)
+    if t_axes:   # then the entries, gathered along t: [..., k, t]
+        sub = lax.all_gather(sub, t_axes, axis=entry_dim, tiled=True)
+    ortho = orthogonalize(sub)
+    if t_axes:   # this device's entries
+        ortho = lax.dynamic_slice_in_dim(ortho, lax.axis_index(t_axes) * width, width,
+                                         axis=entry_dim)
+    hits = local_idx[..., :, None] == jnp.arange(here)                       # [..., k, here]
+    chosen = jnp.any(hits, axis=-2)[..., None]                               # [..., here, 1]
+    slot = jnp.broadcast_to(jnp.argmax(hits, axis=-2)[..., None], m.shape)
+    update = jnp.where(chosen, jnp.take_along_axis(ortho, slot, axis=-2), 0.0)
+    return rows(update), rows(jnp.where(chosen, ef_decay * m, m))
 
 
 def sharded_bytes(split: MatrixSplit | None, fan_in: int, fan_out: int, selection: Selection,
                   fraction: float, count: int = 1, dtype_bytes: int = 4) -> float:
     """Bytes one device sends in one Dion2 step of ``count`` matrices (ring
-    collectives, as ``jmegatron.sharding.hlo`` counts them), n = ``split.size``.
+    collectives, as ``jmegatron.sharding.hlo`` counts them: an all-gather
+    (g-1)/g of its result, an all-reduce 2 (g-1)/g of its buffer).
 
-    Global, t split: psum of the s norms, 2 (n-1)/n s, and the gather of the
-    [k, t] submatrix, (n-1)/n k t. Global, s split: the gather of the norms,
-    (n-1)/n s, and the psum of [k, t], 2 (n-1)/n k t. Local: the gather of
+    Global, the selected side's s slices split gs ways, the t entries gt ways
+    (either 1): the psum of the partial norms over the t side, 2 (gt-1)/gt s/gs,
+    their all-gather over the s side, (gs-1)/gs s; the psum of the masked
+    [k, t/gt] over the s side, 2 (gs-1)/gs k t/gt, then its all-gather over the t
+    side, (gt-1)/gt k t. Local (one side split n ways): the gather of
     [n k_local, t], (n-1)/n n k_local t, along the split dim. Unsplit (None): 0.
 
     Args:
@@ -458,16 +522,17 @@ def sharded_bytes(split: MatrixSplit | None, fan_in: int, fan_out: int, selectio
     """
     if split is None or split.size == 1:
         return 0.0
-    n = split.size
-    ring = (n - 1) / n
-    axis = split.side if selection == "local" else selection_axis(fan_in, fan_out)
+    if selects_locally(split, selection):
+        n = split.size
+        s, t = (fan_in, fan_out) if split.side == -2 else (fan_out, fan_in)
+        elements = (n - 1) * selected_count(fraction, s // n) * t
+        return count * elements * dtype_bytes
+    axis = selection_axis(fan_in, fan_out)
     s, t = (fan_in, fan_out) if axis == -2 else (fan_out, fan_in)
-    if selection == "local":
-        elements = ring * n * selected_count(fraction, s // n) * t
-    elif split.side != axis:
-        elements = 2 * ring * s + ring * selected_count(fraction, s) * t
-    else:
-        elements = ring * s + 2 * ring * selected_count(fraction, s) * t
+    gs, gt = split.size_of(axis), split.size_of(-3 - axis)
+    k = selected_count(fraction, s)
+    elements = (2 * (gt - 1) / gt * s / gs + (gs - 1) / gs * s
+                + 2 * (gs - 1) / gs * k * t / gt + (gt - 1) / gt * k * t)
     return count * elements * dtype_bytes
 
 
@@ -495,10 +560,10 @@ def scale_by_dion2(*, fraction: float = 0.25, ef_decay: float = 0.95,
 
     With a ``mesh``, each block's step runs in ``jax.shard_map`` on the devices
     holding its state (``layout``, ``plan`` as for ``scale_by_muon``): the owner
-    layout's step needs no collective; under fsdp (one side of each matrix split)
-    each device keeps its shard and only the selected slices (and the s L1 norms
-    under global selection) travel; matrices also split over ``tensor`` are
-    gathered whole (module docstring, "Under a mesh"). Arguments are checked here
+    layout's step needs no collective; under fsdp (one side of each matrix split,
+    or both with a ``tensor`` axis) each device keeps its shard and only the
+    selected slices (and the s L1 norms under global selection) travel; other
+    splits are gathered whole (module docstring, "Under a mesh"). Arguments are checked here
     (one-line ValueError), leaves and ``plan`` at init. A non-finite gradient
     enters the momentum for good.
 
@@ -521,10 +586,11 @@ def scale_by_dion2(*, fraction: float = 0.25, ef_decay: float = 0.95,
       momentum_dtype: the dtype the momentum is stored in; None: the param's.
       selection: "global": the top-k of each whole matrix, whatever the sharding
         (equal to one device); "local": where a matrix is split along one side
-        (fsdp), each shard its own top ``selected_count(fraction, shard)`` along
-        the split dim, half the bytes when the split dim is the selected one
-        (microsoft/dion's default scope; depends on the sharding). The same
-        wherever matrices are whole.
+        only (fsdp without tensor), each shard its own top
+        ``selected_count(fraction, shard)`` along the split dim, half the bytes
+        when the split dim is the selected one (microsoft/dion's default scope;
+        depends on the sharding). The global selection wherever matrices are
+        whole or split on both sides.
       plan: where the matrices live: a ``ShardingPlan`` (``make_plan``), or a
         ``PlanSpec`` (routing, mesh, layout, rules) to make one from each tree
         the transformation sees; None: ``PlanSpec()``, one device.
@@ -572,7 +638,7 @@ def scale_by_dion2(*, fraction: float = 0.25, ef_decay: float = 0.95,
         (m,) = fields
         spec = leaf.route.spec
         split = matrix_split(leaf, mesh)
-        if split is not None:   # one side of every matrix split (fsdp): only the selection moves
+        if split is not None:   # the matrices split in place: only the selection moves
             fans = [(p.fan_in, p.fan_out) for p in spec.pieces(g.shape)]
             update, m = jax.shard_map(lambda g, m: split_step(g, m, spec, split, fans),
                                       mesh=mesh, in_specs=(leaf.held, leaf.held),
@@ -625,7 +691,7 @@ def dion2(learning_rate: optax.ScalarOrSchedule, *, fraction: float = 0.25,
         ``descend``).
       momentum_dtype: the dtype the momentum is stored in; None: the param's.
       selection: "global" (each whole matrix's top-k) or "local" (per shard of a
-        matrix split along one side; see ``scale_by_dion2``).
+        matrix split along one side only; see ``scale_by_dion2``).
       plan: where the matrices live: a ``ShardingPlan`` (``make_plan``), or a
         ``PlanSpec`` (routing, mesh, layout, rules) to make one from each tree
         the transformation sees; None: ``PlanSpec()``, one device.

@@ -245,9 +245,10 @@ class Dion2Config:
     """Update scale; spectral (0.2 sqrt(max side), as --muon.scale) lets one --lr fit the
     AdamW leaves too; the reference's default is unit_rms (sqrt(fan_out / fan_in))."""
     selection: Literal["global", "local"] = "global"
-    """Where a matrix is split along one side (--layout fsdp): global, the top slices of
-    the whole matrix (as one device); local, each shard its own top fraction along the
-    split dim (the reference's default; fewer bytes, depends on the sharding)."""
+    """Where matrices are split (--layout fsdp, and tensor): global, the top slices of
+    the whole matrix (as one device); local, where one side is split, each shard its
+    own top fraction along it (the reference's default; fewer bytes, depends on the
+    sharding; global where both sides are split)."""
 
     def __post_init__(self):
         require("dion2.fraction", self.fraction, positive(self.fraction) and self.fraction <= 1,
