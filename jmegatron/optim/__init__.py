@@ -1,4 +1,4 @@
-"""Matrix optimizers (Muon, MuonBP, MOP, adaptive Muon, Dion2, SOAP, REKLS), Newton-Schulz and parameter routing, as optax transformations."""
+"""Matrix optimizers (Muon, MuonBP, MOP, adaptive Muon, Dion2, NorDion2, SOAP, REKLS), Newton-Schulz and parameter routing, as optax transformations."""
 
 from jmegatron.optim.adaptive_muon import adaptive_muon, scale_by_adaptive_muon
 from jmegatron.optim.coefficients import COEFFICIENT_SETS, CoefficientSet, coefficient_set
@@ -9,6 +9,7 @@ from jmegatron.optim.muon import (MOONLIGHT_RMS, MuonState, muon, muon_flops, sc
 from jmegatron.optim.matrix import (WEIGHT_DECAY_METHODS, AdamW, PlanSpec, descend,
                                     scale_by_matrix_optimizer)
 from jmegatron.optim.muon_bp import muon_bp, scale_by_muon_bp
+from jmegatron.optim.nordion2 import NorDion2State, nordion2, scale_by_nordion2
 from jmegatron.optim.mop import mop, mop_flops, polar_factor, scale_by_mop
 from jmegatron.optim.newton_schulz import newton_schulz, ns_flops
 from jmegatron.optim.plan import (LeafPlan, ShardingPlan, make_plan, matrix_state,
@@ -29,6 +30,7 @@ __all__ = [
     "scale_by_mop", "mop", "mop_flops", "polar_factor",
     "scale_by_adaptive_muon", "adaptive_muon",
     "Dion2State", "scale_by_dion2", "dion2", "dion2_flops", "DION2_COEFFICIENTS",
+    "NorDion2State", "scale_by_nordion2", "nordion2",
     "SoapState", "Factors", "scale_by_soap", "soap", "soap_flops",
     "scale_by_rekls", "rekls", "rekls_block", "rekls_flops",
     "Routing", "Route", "MatrixSpec", "Piece", "route", "labels", "leaf_routes", "describe",

@@ -123,16 +123,9 @@ g = gs gt ways; r = (g - 1) / g):
   ``matrix.on_owners`` gathers whole matrices (r s t) and selects globally,
   whatever ``selection`` says.
 
-NorDion2 (``dion/nordion2.py``, also exported as ``Dion3``) is not built here.
-It always selects rows of [out, in] (output neurons, our fan_out columns),
-even when sharded; its ``ef_decay`` is its ``mu`` (0.95); after orthogonalizing
-it applies NorMuon's per-neuron normalization to the selected rows only
-(``nordion2_normalize_selected_stacked``): a per-row second moment
-``v <- lerp(v, mean(O^2 over the row), 1 - muon_beta2)`` (stored for every
-row, updated only where selected), ``O / (sqrt(v) + 1e-8)`` rescaled to O's
-Frobenius norm, then the same scale, weight decay and scatter. It needs a
-second state field shaped [..., fan_out] and its own reference test: a
-follow-up, not a few lines.
+NorDion2 (``dion/nordion2.py``, also exported as ``Dion3``) is
+``jmegatron.optim.nordion2``: output neurons always, then NorMuon's per-neuron
+normalization of the selected ones.
 """
 
 from __future__ import annotations

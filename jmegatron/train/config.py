@@ -257,6 +257,19 @@ class Dion2Config:
 
 
 @dataclasses.dataclass(frozen=True)
+class NorDion2Config:
+    """NorDion2's options (--optim nordion2): Dion2 on the output neurons with NorMuon's
+    per-neuron normalization; fraction, error feedback, orthogonalization and scale
+    come from --dion2.* (its selection does not apply: whole matrices on their owners)."""
+
+    beta2: float = 0.95
+    """The decay of each output neuron's second moment (the reference's muon_beta2)."""
+
+    def __post_init__(self):
+        require("nordion2.beta2", self.beta2, beta(self.beta2), "in [0, 1)")
+
+
+@dataclasses.dataclass(frozen=True)
 class CheckpointConfig:
     """When and how many checkpoints are written."""
 
@@ -327,8 +340,8 @@ class TrainConfig:
     data: DataConfig = DataConfig()
     optim: str = "muon"
     """A matrix optimizer for hidden matrices and AdamW for the rest (muon, muon_bp, soap, mop,
-    adaptive_muon, rekls, dion2: every entry of jmegatron.train.registry.OPTIMIZERS, checked
-    when parsed); adamw: AdamW for all."""
+    adaptive_muon, rekls, dion2, nordion2: every entry of jmegatron.train.registry.OPTIMIZERS,
+    checked when parsed); adamw: AdamW for all."""
     lr: float = 3e-3
     """Peak learning rate (Muon's updates are scaled to AdamW's RMS, so one rate fits both)."""
     weight_decay: float = 0.1
@@ -347,6 +360,7 @@ class TrainConfig:
     muon_bp: MuonBPConfig = MuonBPConfig()
     rekls: ReklsConfig = ReklsConfig()
     dion2: Dion2Config = Dion2Config()
+    nordion2: NorDion2Config = NorDion2Config()
     checkpoint: CheckpointConfig = CheckpointConfig()
     dist: DistConfig = DistConfig()
     stop_after: int | None = None

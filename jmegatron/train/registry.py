@@ -25,6 +25,7 @@ from jmegatron.optim import (DION2_COEFFICIENTS, Routing, adaptive_muon, coeffic
 from jmegatron.optim.dion2 import selected_count, selection_axis
 from jmegatron.optim.mop import mop_matrix_flops
 from jmegatron.optim.newton_schulz import syrk_backend
+from jmegatron.optim.nordion2 import nordion2
 from jmegatron.optim.rekls import rekls_matrix_flops
 from jmegatron.optim.routing import MatrixFlops, flops_over_matrices
 from jmegatron.optim.soap import soap_matrix_flops
@@ -73,12 +74,13 @@ def _ns_flops(cfg) -> MatrixFlops:
     return lambda fan_in, fan_out: ns_flops(fan_in, fan_out, steps, kernel, m.ns_method)
 
 
-def _dion2_flops(cfg) -> MatrixFlops:
-    d = cfg.dion2
+def _selected_flops(d, axis: int | None = None) -> MatrixFlops:
+    """The orthogonalization of the selected submatrix: slices along ``axis``, or along
+    Dion2's shorter side (``selection_axis``) where None."""
     cset = DION2_COEFFICIENTS if d.coefficients == "dion2" else coefficient_set(d.coefficients)
 
-    def per_matrix(fan_in, fan_out):   # the selected submatrix's orthogonalization
-        if selection_axis(fan_in, fan_out) == -1:
+    def per_matrix(fan_in, fan_out):
+        if (axis or selection_axis(fan_in, fan_out)) == -1:
             return ns_flops(fan_in, selected_count(d.fraction, fan_out), cset.default_steps)
         return ns_flops(selected_count(d.fraction, fan_in), fan_out, cset.default_steps)
     return per_matrix
@@ -93,6 +95,13 @@ def _adaptive_muon(cfg, schedule, common) -> optax.GradientTransformation:
     return adaptive_muon(schedule, second_moment=a.second_moment, beta2=a.beta2, eps=a.eps,
                          beta=cfg.muon.momentum, nesterov=a.nesterov, **_newton_schulz(cfg),
                          **common)
+
+
+def _nordion2(cfg, schedule, common) -> optax.GradientTransformation:
+    d = cfg.dion2
+    return nordion2(schedule, fraction=d.fraction, ef_decay=d.ef_decay,
+                    muon_beta2=cfg.nordion2.beta2, coefficients=d.coefficients,
+                    matmul_dtype=jnp.dtype(d.ns_dtype), scale=d.scale, **common)
 
 
 def _muon_bp(cfg, schedule, common) -> optax.GradientTransformation:
@@ -140,7 +149,10 @@ OPTIMIZERS: dict[str, Entry] = {
                            newton_schulz=True),
     "rekls": Entry(("rekls",), _rekls, lambda cfg: lambda m, n: rekls_matrix_flops(
         m, n, cfg.rekls.max_precond_dim)),
-    "dion2": Entry(("dion2",), _dion2, _dion2_flops),
+    "dion2": Entry(("dion2",), _dion2, lambda cfg: _selected_flops(cfg.dion2)),
+    # NorDion2 selects output neurons (fan_out columns) always.
+    "nordion2": Entry(("nordion2", "dion2"), _nordion2,
+                      lambda cfg: _selected_flops(cfg.dion2, axis=-1)),
 }
 def optimizer_names() -> tuple[str, ...]:
     """Every --optim: the matrix optimizers registered now, and AdamW on every leaf."""
