@@ -268,6 +268,30 @@ def orthogonalizer(coefficients, steps: int | None, matmul_dtype, epsilon: float
     return lambda x: newton_schulz(x, steps=steps, coefficients=coefficients, matmul_dtype=dtype)
 
 
+class Selected(NamedTuple):
+    """The top slices of a momentum stack [..., s, t] whose rows are the slices."""
+
+    idx: jax.Array       # [..., k] their row indices
+    sub: jax.Array       # [..., k, t] the submatrix
+    decayed: jax.Array   # [..., s, t] the momentum with those rows times ef_decay
+
+    def place(self, rows: jax.Array) -> jax.Array:
+        """``rows`` [..., k, t] at the selected rows of a zero [..., s, t]."""
+        where = jnp.broadcast_to(self.idx[..., None], rows.shape)
+        return jnp.put_along_axis(jnp.zeros_like(self.decayed), where, rows, axis=-2,
+                                  inplace=False)
+
+
+def select_rows(m: jax.Array, fraction: float, ef_decay: float) -> Selected:
+    """The ``selected_count`` rows of ``m`` [..., s, t] with the largest L1 norms
+    (``jax.lax.top_k``: ties to the lower index), and the momentum with them decayed."""
+    _, idx = jax.lax.top_k(jnp.sum(jnp.abs(m), axis=-1), selected_count(fraction, m.shape[-2]))
+    where = jnp.broadcast_to(idx[..., None], (*idx.shape, m.shape[-1]))
+    chosen = jnp.any(idx[..., :, None] == jnp.arange(m.shape[-2]), axis=-2)[..., None]
+    return Selected(idx, jnp.take_along_axis(m, where, axis=-2),
+                    jnp.where(chosen, ef_decay * m, m))
+
+
 def dion2_block(g: jax.Array, m: jax.Array, fraction: float, ef_decay: float,
                 orthogonalize: Callable[[jax.Array], jax.Array]
                 ) -> tuple[jax.Array, jax.Array]:
@@ -290,16 +314,8 @@ def dion2_block(g: jax.Array, m: jax.Array, fraction: float, ef_decay: float,
     """
     axis = selection_axis(*g.shape[-2:])
     rows = lambda a: a if axis == -2 else jnp.swapaxes(a, -1, -2)   # selected slices as rows
-    m = rows(m + g)                                                  # [..., s, t]
-    k = selected_count(fraction, m.shape[-2])
-    _, idx = jax.lax.top_k(jnp.sum(jnp.abs(m), axis=-1), k)          # [..., k]
-    where = jnp.broadcast_to(idx[..., None], (*idx.shape, m.shape[-1]))
-    sub = jnp.take_along_axis(m, where, axis=-2)                     # [..., k, t]
-    chosen = jnp.any(idx[..., :, None] == jnp.arange(m.shape[-2]), axis=-2)[..., None]
-    decayed = jnp.where(chosen, ef_decay * m, m)
-    update = jnp.put_along_axis(jnp.zeros_like(m), where, orthogonalize(sub), axis=-2,
-                                inplace=False)
-    return rows(update), rows(decayed)
+    picked = select_rows(rows(m + g), fraction, ef_decay)
+    return rows(picked.place(orthogonalize(picked.sub))), rows(picked.decayed)
 
 
 Selection = Literal["global", "local"]

@@ -74,7 +74,7 @@ import optax
 
 from jmegatron.optim import checks
 from jmegatron.optim.coefficients import CoefficientSet
-from jmegatron.optim.dion2 import check_fraction, orthogonalizer, selected_count
+from jmegatron.optim.dion2 import check_fraction, orthogonalizer, select_rows
 from jmegatron.optim.matrix import (AdamW, PlanLike, PlanSource, WeightDecayMethod, descend,
                                     held_zeros, scale_by_matrix_optimizer, with_adamw)
 from jmegatron.optim.muon import ScaleMode, update_scale
@@ -147,18 +147,11 @@ def nordion2_block(g: jax.Array, m: jax.Array, v: jax.Array, fraction: float,
       (the update: the normalized rows in place, zeros elsewhere, unscaled; the
       new momentum; the new second moments).
     """
-    m = jnp.swapaxes(m + g, -1, -2)                                    # [..., fan_out, fan_in]
-    k = selected_count(fraction, m.shape[-2])
-    _, idx = jax.lax.top_k(jnp.sum(jnp.abs(m), axis=-1), k)            # [..., k]
-    where = jnp.broadcast_to(idx[..., None], (*idx.shape, m.shape[-1]))
-    sub = jnp.take_along_axis(m, where, axis=-2)                       # [..., k, fan_in]
-    chosen = jnp.any(idx[..., :, None] == jnp.arange(m.shape[-2]), axis=-2)[..., None]
-    decayed = jnp.where(chosen, ef_decay * m, m)
-    rows, v_sel = normalize_neurons(orthogonalize(sub), jnp.take_along_axis(v, idx, axis=-1),
-                                    muon_beta2)
-    update = jnp.put_along_axis(jnp.zeros_like(m), where, rows, axis=-2, inplace=False)
-    v = jnp.put_along_axis(v, idx, v_sel, axis=-1, inplace=False)
-    return jnp.swapaxes(update, -1, -2), jnp.swapaxes(decayed, -1, -2), v
+    picked = select_rows(jnp.swapaxes(m + g, -1, -2), fraction, ef_decay)  # neurons as rows
+    rows, v_sel = normalize_neurons(orthogonalize(picked.sub),
+                                    jnp.take_along_axis(v, picked.idx, axis=-1), muon_beta2)
+    v = jnp.put_along_axis(v, picked.idx, v_sel, axis=-1, inplace=False)
+    return (jnp.swapaxes(picked.place(rows), -1, -2), jnp.swapaxes(picked.decayed, -1, -2), v)
 
 
 def scale_by_nordion2(*, fraction: float = 0.25, ef_decay: float = 0.95,
