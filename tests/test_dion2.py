@@ -19,10 +19,12 @@ import optax
 import pytest
 from flax import nnx
 
+from dion_reference import (MODEL, ROUTING, Leaves, assert_owner_steps_like_one_device, assert_refused,
+                            iterate64, polar_express64)
 from helpers import grads_of, optimizer_step, stepper, three_steps
-from jmegatron.models import GPT, GPTConfig
-from jmegatron.optim import (MATRIX, AdamW, MatrixSpec, PlanSpec, Route, Routing, coefficient_set,
-                             dion2, make_plan, muon, scale_by_dion2, trainable_params)
+from jmegatron.models import GPT
+from jmegatron.optim import (AdamW, PlanSpec, coefficient_set, dion2, make_plan, muon,
+                             scale_by_dion2, trainable_params)
 from jmegatron.optim.dion2 import matrix_split, sharded_bytes
 from jmegatron.optim.routing import batch_axes
 from jmegatron.sharding import MeshConfig, hlo_collectives, make_mesh, parse_collectives
@@ -33,47 +35,15 @@ from jmegatron.train import create_train_state
 # along fan_out into blocks of 8 and 4 columns, as a fused QKV/SwiGLU weight.
 SHAPES = {"square": (7, 7), "wide": (6, 10), "tall": (10, 6), "stack": (3, 6, 9),
           "fused": (6, 12)}
-FUSED = MatrixSpec((0,), (1,), split_axis=1, split_sizes=(8, 4))
-ROUTING = Routing(custom=lambda path, shape, logical: Route(
-    MATRIX, "test", FUSED if "fused" in path else
-    MatrixSpec((len(shape) - 2,), (len(shape) - 1,))))
 STEPS = 4
+LEAVES = Leaves(SHAPES)
+gradients, reference_updates, worst = LEAVES.gradients, LEAVES.reference_updates, LEAVES.worst
 FRACTION, EF_DECAY = 0.25, 0.9
 # fp32 against float64, relative to a leaf's largest entry. Polar Express's first
 # polynomial 8.16 s - 22.5 s^3 + 15.9 s^5 cancels terms up to ~20x its value, so its
 # five iterations in fp32 land ~1e-5 from float64 (measured on 120 random 2 x 6 to
 # 10 x 2 matrices alone: median 5e-6, max 1.7e-5); Muon's quintic set ~1e-6.
 TOL = {"polar_express": 5e-5, "quintic": 1e-5}
-
-# dion/polar_express.py's _POLAR_EXPRESS_COEFFS, written out again (not imported:
-# the test must not share a typo with the module).
-POLAR_EXPRESS = [
-    (8.156554524902461, -22.48329292557795, 15.878769915207462),
-    (4.042929935166739, -2.808917465908714, 0.5000178451051316),
-    (3.8916678022926607, -2.772484153217685, 0.5060648178503393),
-    (3.285753657755655, -2.3681294933425376, 0.46449024233003106),
-    (2.3465413258596377, -1.7097828382687081, 0.42323551169305323),
-]
-
-
-def iterate64(x, schedule):
-    """Odd-polynomial iterations in float64: a wide X through X X^T on the left, a
-    tall one through X^T X on the right."""
-    for a, b, c in schedule:
-        if x.shape[0] > x.shape[1]:
-            A = x.T @ x
-            x = a * x + x @ (b * A + c * A @ A)
-        else:
-            A = x @ x.T
-            x = a * x + (b * A + c * A @ A) @ x
-    return x
-
-
-def polar_express64(x, eps=1e-8):
-    """The reference's polar_express in float64: X / (1.02 ||X||_F + eps), then its
-    five iterations."""
-    return iterate64(x / (np.linalg.norm(x) * 1.02 + eps), POLAR_EXPRESS)
-
 
 def quintic64(x):
     """Muon's Newton-Schulz in float64: unit Frobenius norm, the quintic set."""
@@ -126,58 +96,13 @@ class Reference:
         return (update if by_rows else update.T) * self.factor
 
 
-def blocks(name):
-    """The blocks of a leaf as (slice of the leaf's last axis, stack shape [..., fan_in,
-    fan_out])."""
-    if name == "fused":
-        return [(slice(0, 8), (6, 8)), (slice(8, 12), (6, 4))]
-    return [(slice(None), SHAPES[name])]
-
-
-def gradients(step):
-    rng = np.random.default_rng(step)
-    return {k: rng.standard_normal(s) * (1 + 0.5 * step) for k, s in SHAPES.items()}
-
-
 def references(**options):
     """Per leaf, per block, one Reference per matrix of the stack (on [out, in])."""
-    return {name: [[Reference(shape[-2:][::-1], **options) for _ in range(math.prod(shape[:-2]))]
-                   for _, shape in blocks(name)] for name in SHAPES}
-
-
-def reference_updates(refs, grads):
-    """The references' updates of one step, as jmegatron leaves [.., fan_in, fan_out]."""
-    out = {}
-    for name, per_block in refs.items():
-        parts = []
-        for (cols, shape), mats in zip(blocks(name), per_block):
-            g = grads[name][..., cols].reshape(-1, *shape[-2:])
-            parts.append(np.stack([ref.step(m.T).T for ref, m in zip(mats, g)])
-                         .reshape(*shape[:-2], *shape[-2:]))
-        out[name] = np.concatenate(parts, axis=-1)
-    return out
+    return LEAVES.references(lambda out_in: Reference(out_in, **options))
 
 
 def run(tx, steps=STEPS):
-    """The transformation's updates of ``steps`` steps (jitted once), float64 leaves."""
-    params = {k: jnp.zeros(s, jnp.float32) for k, s in SHAPES.items()}
-    state, update = tx.init(params), jax.jit(tx.update)
-    out = []
-    for step in range(steps):
-        got, state = update(jax.tree.map(jnp.float32, gradients(step)), state, params)
-        out.append(jax.tree.map(lambda x: np.asarray(x, np.float64), got))
-    return out
-
-
-def worst(got_steps, refs):
-    """Per leaf, the largest error over the steps relative to the leaf's largest entry."""
-    errors = {name: 0.0 for name in SHAPES}
-    for step, got in enumerate(got_steps):
-        want = reference_updates(refs, gradients(step))
-        for name in SHAPES:
-            scale = np.abs(want[name]).max()
-            errors[name] = max(errors[name], np.abs(got[name] - want[name]).max() / scale)
-    return errors
+    return LEAVES.run(tx, steps)
 
 
 VARIANTS = {
@@ -303,45 +228,14 @@ BAD = [("fraction", 0, "fraction must be a number in (0, 1]"),
                          ids=["scale_by_dion2", "dion2"])
 def test_bad_arguments_are_refused_in_one_line(make):
     """Each bad option raises a one-line ValueError naming it, at construction."""
-    for name, value, words in BAD:
-        with pytest.raises(ValueError) as err:
-            make(**{name: value})
-        message = str(err.value)
-        assert "\n" not in message and words in message, (name, value, message)
-    for kwargs, words in [(dict(learning_rate=0.0), "learning_rate"),
-                          (dict(learning_rate=0.1, weight_decay=-1.0), "weight_decay"),
-                          (dict(learning_rate=0.1, weight_decay_method="l1"), "weight_decay")]:
-        with pytest.raises(ValueError, match=words):
-            dion2(**kwargs)
-
-
-MODEL = GPTConfig(vocab_size=259, d_model=32, n_layers=3, n_heads=4, n_kv_heads=2,
-                  d_ff=64).pad_vocab(2)
+    assert_refused(make, dion2, BAD,
+                   [(dict(learning_rate=0.1, weight_decay_method="l1"), "weight_decay")])
 
 
 def test_owner_layout_steps_like_one_device_with_no_collective():
-    """A small GPT (3 layers, fused QKV and SwiGLU split as Muon splits them) on 8
-    devices under the owner layout (fsdp 8: whole matrices on their owners): three
-    steps of dion2 (fp32 matmuls) give one device's params, and the optimizer step
-    compiles with no collective (selection, Polar Express and scatter all local)."""
-    mesh = make_mesh(MeshConfig(fsdp=8))
-    layout = make_layout("owner", mesh.shape)
-    cfg = dataclasses.replace(MODEL, **layout.stack_fields)
-    make_model = lambda: GPT(cfg, nnx.Rngs(0))
-    plan = make_plan(nnx.split(nnx.eval_shape(make_model))[1], mesh, layout)
-    options = dict(weight_decay=0.1, matmul_dtype="float32")
-    tx = dion2(0.02, plan=plan, **options)
-    _, state = create_train_state(make_model, tx, plan)
-    report = hlo_collectives(jax.jit(optimizer_step(tx)), state.params, state.opt_state,
-                             grads_of(state.params, 0))
-    assert report.collectives == (), report.table()
-    got = jax.device_get(three_steps(tx, state.params, state.opt_state))
-
-    params = nnx.split(make_model())[1]
-    local = dion2(0.02, **options)
-    want = jax.device_get(three_steps(local, params, local.init(trainable_params(params))))
-    for (path, a), b in zip(jax.tree.leaves_with_path(got), jax.tree.leaves(want)):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6, err_msg=jax.tree_util.keystr(path))
+    """dion2 under the owner layout (``assert_owner_steps_like_one_device``): selection,
+    Polar Express and scatter all local."""
+    assert_owner_steps_like_one_device(dion2)
 
 
 # --- The fsdp layout: each matrix split along embed over 8 devices -------------------

@@ -10,23 +10,17 @@ shorter side selected as Dion2 does) must miss the optimizer's updates by far
 more than the tolerance, so a comparison that passes could not have passed for them.
 """
 
-import dataclasses
 import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
-from helpers import grads_of, optimizer_step, three_steps
-from jmegatron.models import GPT, GPTConfig
-from jmegatron.optim import (MATRIX, MatrixSpec, PlanSpec, Route, Routing, make_plan,
-                             trainable_params)
+from dion_reference import (ROUTING, Leaves, assert_owner_steps_like_one_device, assert_refused,
+                            polar_express64)
+from jmegatron.optim import PlanSpec
 from jmegatron.optim.nordion2 import nordion2, scale_by_nordion2
-from jmegatron.sharding import MeshConfig, hlo_collectives, make_mesh
-from jmegatron.sharding.layouts import make_layout
-from jmegatron.train import create_train_state
 
 # jmegatron leaves [fan_in, fan_out] (a 3-D leaf: a stack of them); "fused" is cut
 # along fan_out into blocks of 8 and 4 columns. "very_wide" (fan_out 24 > 4 fan_in)
@@ -34,39 +28,14 @@ from jmegatron.train import create_train_state
 # per-neuron normalization acts from the first step.
 SHAPES = {"square": (7, 7), "wide": (6, 10), "tall": (10, 6), "stack": (3, 6, 9),
           "very_wide": (4, 24), "fused": (6, 12)}
-FUSED = MatrixSpec((0,), (1,), split_axis=1, split_sizes=(8, 4))
-ROUTING = Routing(custom=lambda path, shape, logical: Route(
-    MATRIX, "test", FUSED if "fused" in path else
-    MatrixSpec((len(shape) - 2,), (len(shape) - 1,))))
 STEPS = 5
+LEAVES = Leaves(SHAPES, seed=100)
+worst = LEAVES.worst
 FRACTION, EF_DECAY, BETA2 = 0.5, 0.9, 0.5
 # fp32 against float64 relative to a leaf's largest entry: Polar Express in fp32 lands
 # ~1e-5 from float64 (tests/test_dion2.py); with the normalization, measured here at
 # most 1.1e-5 (very_wide), 4.8e-6 to 8.3e-6 elsewhere.
 TOL = 5e-5
-
-# dion/polar_express.py's _POLAR_EXPRESS_COEFFS, written out again (not imported).
-POLAR_EXPRESS = [
-    (8.156554524902461, -22.48329292557795, 15.878769915207462),
-    (4.042929935166739, -2.808917465908714, 0.5000178451051316),
-    (3.8916678022926607, -2.772484153217685, 0.5060648178503393),
-    (3.285753657755655, -2.3681294933425376, 0.46449024233003106),
-    (2.3465413258596377, -1.7097828382687081, 0.42323551169305323),
-]
-
-
-def polar_express64(x, eps=1e-8):
-    """The reference's polar_express in float64: X / (1.02 ||X||_F + eps), then five
-    iterations on the short side."""
-    x = x / (np.linalg.norm(x) * 1.02 + eps)
-    for a, b, c in POLAR_EXPRESS:
-        if x.shape[0] > x.shape[1]:
-            A = x.T @ x
-            x = a * x + x @ (b * A + c * A @ A)
-        else:
-            A = x @ x.T
-            x = a * x + (b * A + c * A @ A) @ x
-    return x
 
 
 class Reference:
@@ -128,58 +97,15 @@ class Reference:
         return update * self.factor
 
 
-def blocks(name):
-    """The blocks of a leaf: (slice of the leaf's last axis, stack shape)."""
-    if name == "fused":
-        return [(slice(0, 8), (6, 8)), (slice(8, 12), (6, 4))]
-    return [(slice(None), SHAPES[name])]
-
-
-def gradients(step):
-    rng = np.random.default_rng(100 + step)
-    return {k: rng.standard_normal(s) * (1 + 0.5 * step) for k, s in SHAPES.items()}
-
-
 def references(mutant=None):
-    return {name: [[Reference(shape[-2:][::-1], mutant) for _ in range(math.prod(shape[:-2]))]
-                   for _, shape in blocks(name)] for name in SHAPES}
-
-
-def reference_updates(refs, grads):
-    """The references' updates of one step, as jmegatron leaves [..., fan_in, fan_out]."""
-    out = {}
-    for name, per_block in refs.items():
-        parts = []
-        for (cols, shape), mats in zip(blocks(name), per_block):
-            g = grads[name][..., cols].reshape(-1, *shape[-2:])
-            parts.append(np.stack([ref.step(m.T).T for ref, m in zip(mats, g)])
-                         .reshape(shape))
-        out[name] = np.concatenate(parts, axis=-1)
-    return out
-
-
-def worst(got_steps, refs):
-    """Per leaf, the largest error over the steps relative to the leaf's largest entry."""
-    errors = {name: 0.0 for name in SHAPES}
-    for step, got in enumerate(got_steps):
-        want = reference_updates(refs, gradients(step))
-        for name in SHAPES:
-            scale = np.abs(want[name]).max()
-            errors[name] = max(errors[name], np.abs(got[name] - want[name]).max() / scale)
-    return errors
+    return LEAVES.references(lambda out_in: Reference(out_in, mutant))
 
 
 @pytest.fixture(scope="module")
 def fp32_run():
     tx = scale_by_nordion2(fraction=FRACTION, ef_decay=EF_DECAY, muon_beta2=BETA2,
                            matmul_dtype="float32", plan=PlanSpec(routing=ROUTING))
-    params = {k: jnp.zeros(s, jnp.float32) for k, s in SHAPES.items()}
-    state, update = tx.init(params), jax.jit(tx.update)
-    out = []
-    for step in range(STEPS):
-        got, state = update(jax.tree.map(jnp.float32, gradients(step)), state, params)
-        out.append(jax.tree.map(lambda x: np.asarray(x, np.float64), got))
-    return out
+    return LEAVES.run(tx, STEPS)
 
 
 def test_equals_the_reference_in_float64(fp32_run):
@@ -232,40 +158,9 @@ BAD = [("fraction", 0, "fraction must be a number in (0, 1]"),
 @pytest.mark.parametrize("make", [scale_by_nordion2, lambda **kw: nordion2(0.1, **kw)],
                          ids=["scale_by_nordion2", "nordion2"])
 def test_bad_arguments_are_refused_in_one_line(make):
-    for name, value, words in BAD:
-        with pytest.raises(ValueError) as err:
-            make(**{name: value})
-        message = str(err.value)
-        assert "\n" not in message and words in message, (name, value, message)
-    for kwargs, words in [(dict(learning_rate=0.0), "learning_rate"),
-                          (dict(learning_rate=0.1, weight_decay=-1.0), "weight_decay")]:
-        with pytest.raises(ValueError, match=words):
-            nordion2(**kwargs)
-
-
-MODEL = GPTConfig(vocab_size=259, d_model=32, n_layers=3, n_heads=4, n_kv_heads=2,
-                  d_ff=64).pad_vocab(2)
+    assert_refused(make, nordion2, BAD)
 
 
 def test_owner_layout_steps_like_one_device_with_no_collective():
-    """A small GPT on 8 devices under the owner layout (fsdp 8, whole matrices on
-    their owners): three steps of nordion2 (fp32 matmuls) give one device's params,
-    and the optimizer step compiles with no collective."""
-    mesh = make_mesh(MeshConfig(fsdp=8))
-    layout = make_layout("owner", mesh.shape)
-    cfg = dataclasses.replace(MODEL, **layout.stack_fields)
-    make_model = lambda: GPT(cfg, nnx.Rngs(0))
-    plan = make_plan(nnx.split(nnx.eval_shape(make_model))[1], mesh, layout)
-    options = dict(weight_decay=0.1, matmul_dtype="float32")
-    tx = nordion2(0.02, plan=plan, **options)
-    _, state = create_train_state(make_model, tx, plan)
-    report = hlo_collectives(jax.jit(optimizer_step(tx)), state.params, state.opt_state,
-                             grads_of(state.params, 0))
-    assert report.collectives == (), report.table()
-    got = jax.device_get(three_steps(tx, state.params, state.opt_state))
-
-    params = nnx.split(make_model())[1]
-    local = nordion2(0.02, **options)
-    want = jax.device_get(three_steps(local, params, local.init(trainable_params(params))))
-    for (path, a), b in zip(jax.tree.leaves_with_path(got), jax.tree.leaves(want)):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6, err_msg=jax.tree_util.keystr(path))
+    """nordion2 under the owner layout (``assert_owner_steps_like_one_device``)."""
+    assert_owner_steps_like_one_device(nordion2)
