@@ -117,7 +117,7 @@ VARIANTS = {
 
 @pytest.fixture(scope="module")
 def reference_fp32_run():
-    return run(scale_by_dion2( **VARIANTS["reference_fp32"][0], plan=PlanSpec(routing=ROUTING)))
+    return run(scale_by_dion2(**VARIANTS["reference_fp32"][0], plan=PlanSpec(routing=ROUTING)))
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -129,7 +129,7 @@ def test_equals_the_reference_in_float64(variant, reference_fp32_run):
     the largest (asserted; fp32 round-off is ~1e-7 of it)."""
     options, ref_options = VARIANTS[variant]
     got = reference_fp32_run if variant == "reference_fp32" else \
-        run(scale_by_dion2( **options, plan=PlanSpec(routing=ROUTING)))
+        run(scale_by_dion2(**options, plan=PlanSpec(routing=ROUTING)))
     refs = references(**{"fraction": options["fraction"], "ef_decay": options["ef_decay"],
                          **ref_options})
     errors = worst(got, refs)

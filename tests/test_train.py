@@ -223,13 +223,13 @@ def test_an_unknown_optimizer_is_refused_when_parsed():
 def test_a_registry_entry_is_all_a_new_optimizer_needs(monkeypatch, tmp_path):
     """A test optimizer (sign descent on the matrices, AdamW elsewhere) registered under
     a new name trains from the command line, its update RMS logged under its name."""
-    from jmegatron.optim.matrix import PlanSource, descend, with_adamw
+    from jmegatron.optim.matrix import descend, with_adamw
     from jmegatron.train import registry
 
     def signum(cfg, schedule, common):
         matrix = descend(optax.scale_by_sign(), schedule, common["weight_decay"],
                          common["weight_decay_method"])
-        return with_adamw("signum", matrix, PlanSource.of(common["plan"]), schedule,
+        return with_adamw("signum", matrix, common["plan"], schedule,
                           common["adamw"])
 
     monkeypatch.setitem(registry.OPTIMIZERS, "signum",

@@ -187,8 +187,7 @@ def adaptive_muon(learning_rate: optax.ScalarOrSchedule, *,
                   rms_factor: float | None = None, weight_decay: float = 0.0,
                   weight_decay_method: WeightDecayMethod = "decoupled", momentum_dtype=None,
                   matmul_dtype="float32", tp_mode: TPMode = "auto",
-                  syrk: bool | str = False,
-                  ns_method: NSMethod = "standard", plan: PlanLike = None,
+                  syrk: bool | str = False, ns_method: NSMethod = "standard", plan: PlanLike = None,
                   adamw: AdamW = AdamW()) -> optax.GradientTransformation:
     """Adaptive Muon for hidden matrices, AdamW for the other leaves.
 
@@ -234,11 +233,10 @@ def adaptive_muon(learning_rate: optax.ScalarOrSchedule, *,
     """
     if second_moment == "namo" and weight_decay_method == "l2" and weight_decay:
         raise ValueError('second_moment="namo" does not combine with weight_decay_method="l2"')
-    source = PlanSource.of(plan)
     direction = scale_by_adaptive_muon(
         second_moment=second_moment, beta2=beta2, eps=eps, beta=beta, nesterov=nesterov,
         coefficients=coefficients, steps=steps, scale=scale, rms_factor=rms_factor,
         momentum_dtype=momentum_dtype, matmul_dtype=matmul_dtype, tp_mode=tp_mode, syrk=syrk,
         ns_method=ns_method, plan=plan)
     matrix = descend(direction, learning_rate, weight_decay, weight_decay_method)
-    return with_adamw("adaptive_muon", matrix, source, learning_rate, adamw)
+    return with_adamw("adaptive_muon", matrix, plan, learning_rate, adamw)

@@ -720,8 +720,7 @@ def dion2(learning_rate: optax.ScalarOrSchedule, *, fraction: float = 0.25,
         matmul_dtype=matmul_dtype, epsilon=epsilon, scale=scale, rms_factor=rms_factor,
         momentum_dtype=momentum_dtype, selection=selection, plan=plan)
     matrix = descend(direction, learning_rate, weight_decay, weight_decay_method)
-    return with_adamw("dion2", matrix, PlanSource.of(plan),
-                      learning_rate, adamw)
+    return with_adamw("dion2", matrix, plan, learning_rate, adamw)
 
 
 def dion2_flops(params, routing: Routing = Routing(), fraction: float = 0.25,

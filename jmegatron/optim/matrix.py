@@ -319,13 +319,15 @@ def held_zeros(x: jax.Array, leaf: LeafPlan, dtype) -> jax.Array:
     return zeros if leaf.placement is None else leaf.placement.pad(zeros)
 
 
-def with_adamw(name: str, matrix: optax.GradientTransformation, source: PlanSource,
+def with_adamw(name: str, matrix: optax.GradientTransformation, plan: PlanLike,
                learning_rate: optax.ScalarOrSchedule, adamw: AdamW
                ) -> optax.GradientTransformation:
-    """``matrix`` (labelled ``name``) for the leaves the plan calls matrices, AdamW
-    for the others. A plan given is checked against the whole tree at init."""
+    """``matrix`` (labelled ``name``) for the leaves the plan (the optimizer's ``plan``
+    argument) calls matrices, AdamW for the others. A plan given is checked against
+    the whole tree at init."""
     if not isinstance(adamw, AdamW):
         raise ValueError(f"adamw must be a jmegatron.optim.AdamW, got {type(adamw).__name__}")
+    source = PlanSource.of(plan)
     both = optax.partition({name: matrix, ADAMW: adamw.tx(learning_rate)},
                            lambda params: source(params).labels(name, params))
 

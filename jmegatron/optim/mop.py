@@ -154,11 +154,10 @@ def mop(learning_rate: optax.ScalarOrSchedule, *, beta: float = 0.95, nesterov: 
     References:
       Lau, Long & Su, "PolarGrad", arXiv:2505.21799, 2025.
     """
-    source = PlanSource.of(plan)
     direction = scale_by_mop(beta=beta, nesterov=nesterov, scale=scale, rms_factor=rms_factor,
                              momentum_dtype=momentum_dtype, plan=plan)
     matrix = descend(direction, learning_rate, weight_decay, weight_decay_method)
-    return with_adamw("mop", matrix, source, learning_rate, adamw)
+    return with_adamw("mop", matrix, plan, learning_rate, adamw)
 
 
 def mop_matrix_flops(m: int, n: int) -> int:

@@ -150,8 +150,7 @@ def scale_by_muon(*, coefficients: str | CoefficientSet | tuple = "quintic",
                   momentum: Literal["ema", "sum"] = "ema", bias_correction: bool = False,
                   momentum_dtype=None, scale: ScaleMode = "spectral",
                   rms_factor: float | None = None, matmul_dtype="float32",
-                  tp_mode: TPMode = "auto",
-                  syrk: bool | str = False,
+                  tp_mode: TPMode = "auto", syrk: bool | str = False,
                   ns_method: NSMethod = "standard", plan: PlanLike = None
                   ) -> optax.GradientTransformation:
     """Muon's direction: momentum, Newton-Schulz orthogonalization, shape scale.
@@ -310,8 +309,7 @@ def muon(learning_rate: optax.ScalarOrSchedule, *,
         rms_factor=rms_factor, matmul_dtype=matmul_dtype, tp_mode=tp_mode,
         syrk=syrk, ns_method=ns_method, plan=plan)
     matrix = descend(direction, learning_rate, weight_decay, weight_decay_method)
-    return with_adamw("muon", matrix, PlanSource.of(plan),
-                      learning_rate, adamw)
+    return with_adamw("muon", matrix, plan, learning_rate, adamw)
 
 
 def muon_flops(params, routing: Routing = Routing(), steps: int | None = None,

@@ -75,8 +75,7 @@ def scale_by_muon_bp(*, period: int = 5, block_lr_ratio: float = 1.0,
                      steps: int | None = None, beta: float = 0.95, nesterov: bool = True,
                      momentum_dtype=None, scale: ScaleMode = "spectral",
                      rms_factor: float | None = None, matmul_dtype="float32",
-                     tp_mode: TPMode = "auto",
-                     syrk: bool | str = False,
+                     tp_mode: TPMode = "auto", syrk: bool | str = False,
                      ns_method: NSMethod = "standard", plan: PlanLike = None
                      ) -> optax.GradientTransformation:
     """MuonBP's direction: Muon's momentum, orthogonalized by blocks, whole every P steps.
@@ -149,8 +148,7 @@ def muon_bp(learning_rate: optax.ScalarOrSchedule, *, period: int = 5,
             momentum_dtype=None, scale: ScaleMode = "spectral", rms_factor: float | None = None,
             weight_decay: float = 0.0, weight_decay_method: WeightDecayMethod = "decoupled",
             matmul_dtype="float32", tp_mode: TPMode = "auto",
-            syrk: bool | str = False,
-            ns_method: NSMethod = "standard", plan: PlanLike = None,
+            syrk: bool | str = False, ns_method: NSMethod = "standard", plan: PlanLike = None,
             adamw: AdamW = AdamW()) -> optax.GradientTransformation:
     """MuonBP for hidden matrices, AdamW for every other leaf.
 
@@ -196,5 +194,4 @@ def muon_bp(learning_rate: optax.ScalarOrSchedule, *, period: int = 5,
         rms_factor=rms_factor, matmul_dtype=matmul_dtype, tp_mode=tp_mode,
         syrk=syrk, ns_method=ns_method, plan=plan)
     matrix = descend(direction, learning_rate, weight_decay, weight_decay_method)
-    return with_adamw("muon_bp", matrix, PlanSource.of(plan),
-                      learning_rate, adamw)
+    return with_adamw("muon_bp", matrix, plan, learning_rate, adamw)

@@ -302,4 +302,4 @@ def nordion2(learning_rate: optax.ScalarOrSchedule, *, fraction: float = 0.25,
         rms_factor=rms_factor, momentum_dtype=momentum_dtype, variance_dtype=variance_dtype,
         plan=plan)
     matrix = descend(direction, learning_rate, weight_decay, weight_decay_method)
-    return with_adamw("nordion2", matrix, PlanSource.of(plan), learning_rate, adamw)
+    return with_adamw("nordion2", matrix, plan, learning_rate, adamw)

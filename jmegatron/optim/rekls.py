@@ -247,11 +247,10 @@ def rekls(learning_rate: optax.ScalarOrSchedule, *, b1: float = 0.9, b2: float =
         Kullback-Leibler Minimization", arXiv:2509.03378, 2025.
       NVIDIA NeMo Emerging-Optimizers 0.3.0, ``emerging_optimizers.soap.REKLS``, 2026.
     """
-    source = PlanSource.of(plan)
     direction = scale_by_rekls(b1=b1, b2=b2, shampoo_beta=shampoo_beta, eps=eps,
                                max_precond_dim=max_precond_dim, plan=plan)
     matrix = descend(direction, learning_rate, weight_decay, weight_decay_method)
-    return with_adamw("rekls", matrix, source, learning_rate, adamw)
+    return with_adamw("rekls", matrix, plan, learning_rate, adamw)
 
 
 def rekls_matrix_flops(m: int, n: int, max_precond_dim: int = 10_000) -> int:

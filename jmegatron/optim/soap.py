@@ -349,7 +349,7 @@ def soap(learning_rate: optax.ScalarOrSchedule, *, b1: float = 0.95, b2: float =
                               plan=plan)
     decay = lambda rate: add_decayed_weights_after_basis_step(rate, source, max_precond_dim)
     matrix = descend(direction, learning_rate, weight_decay, weight_decay_method, decay)
-    return with_adamw("soap", matrix, source, learning_rate, adamw)
+    return with_adamw("soap", matrix, plan, learning_rate, adamw)
 
 
 def soap_matrix_flops(m: int, n: int, precondition_frequency: int = 10,
