@@ -453,10 +453,20 @@ def test_expert_bias_moves_against_the_load():
     assert new["w"] is other
     # Grouped for the owner layout, [G, g, E]: the layers in order, padding untouched.
     grouped = ExpertBias(jnp.zeros((2, 2, 4)), out_sharding=("layer_groups", "layers", None),
-                         eager_sharding=False, rate=0.5)
+                         eager_sharding=False, rate=0.5, real_layers=3)
     new = balance_expert_bias({"b": grouped}, {"moe_load": load[:1].repeat(3, 0)})
     np.testing.assert_array_equal(new["b"][...].reshape(4, 4),
                                   [[-0.5, 0, 0, 0.5]] * 3 + [[0, 0, 0, 0]])
+    # Pipeline stages in owner groups, [S, G, g, E]: 5 layers, 3 a stage, each stage
+    # padded to 4 slots on its own; layer i overloads expert i % 4.
+    staged = ExpertBias(jnp.zeros((2, 2, 2, 4)),
+                        out_sharding=("stages", "layer_groups", "layers", None),
+                        eager_sharding=False, rate=1.0, real_layers=5)
+    loads = jnp.eye(4)[jnp.arange(5) % 4]
+    got = balance_expert_bias({"b": staged}, {"moe_load": loads})["b"][...].reshape(8, 4)
+    want = np.sign(0.25 - np.asarray(loads))
+    np.testing.assert_array_equal(got, np.concatenate([want[:3], np.zeros((1, 4)), want[3:],
+                                                       np.zeros((2, 4))]))
     dense = {"w": other}
     assert balance_expert_bias(dense, {}) is dense
 

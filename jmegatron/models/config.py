@@ -196,8 +196,6 @@ class GPTConfig:
         _require(self.stages <= self.n_layers,
                  f"{self.stages} pipeline stages for {self.n_layers} layers: use at most one "
                  "stage per layer")
-        _require(self.stages == 1 or not self.moe.n_experts,
-                 f"pipeline stages ({self.stages}) with MoE layers are not supported yet")
         _require(not self.moe.n_experts or any(self.moe_layers),
                  f"moe.first_dense={self.moe.first_dense} and moe.every={self.moe.every} leave "
                  f"no MoE layer among {self.n_layers}")

@@ -46,9 +46,10 @@ from jax.sharding import PartitionSpec as P
 from jmegatron.models import dispatch
 from jmegatron.models.config import GPTConfig, MoEConfig
 from jmegatron.models.layers import Attention, SwiGLU, param, rms_norm
-from jmegatron.sharding import rules as ax
-from jmegatron.sharding.rules import (active_mesh_and_rules, constrain, logical_to_spec,
-                                     mesh_axes_of)
+from jmegatron.sharding import nested, rules as ax
+from jmegatron.sharding.rules import (active_mesh_and_rules, constrain, logical_axes_of,
+                                     logical_to_spec, mesh_axes_of)
+from jmegatron.sharding.stacks import stack_shape
 
 # Per-layer statistics: "load" [E] (share of assignments per expert), "dropped"
 # (share dropped), "aux_loss", "z_loss"; stacked [L_moe, ...] by the model. Each
@@ -94,16 +95,21 @@ def moe_mlp(x: jax.Array, router: jax.Array, bias: jax.Array | None, gate_up: ja
     """The routed experts on x [B, T, D]: (output [B, T, D], stats of this layer).
 
     Without an active mesh (``activation_sharding``) it runs as it is; with one,
-    in ``jax.shard_map`` over the whole mesh (see the module docstring), or, inside
-    one manual over the batch axes already (``rules.run_gathered``; only where no
-    other mesh axis is live: ``rules.only_batch_axes_live``), on the local blocks.
+    in ``jax.shard_map`` over the whole mesh (see the module docstring); inside one
+    manual over the batch axes already (``rules.run_gathered``; only where no
+    other mesh axis is live: ``rules.only_batch_axes_live``), on the local blocks;
+    inside a pipeline stage (manual over ``stage``), over the other axes
+    (``sharding.nested``).
     """
     active = active_mesh_and_rules()
     if active is None:
         y, sums = _local(x.reshape(-1, x.shape[-1]), router, bias, gate_up, down, cfg)
         return y.reshape(x.shape), _finish(sums, cfg)
     mesh, rules = active
-    manual = tuple(jax.sharding.get_abstract_mesh().manual_axes)   # the batch axes, or none
+    # Manual already: over the batch axes (rules.run_gathered: the body runs on the
+    # local blocks), or over pipeline stages (the layer maps over the other axes).
+    in_manual = set(jax.sharding.get_abstract_mesh().manual_axes)
+    manual = tuple(a for a in mesh_axes_of(ax.BATCH, rules) if a in in_manual)
     live = lambda name: tuple(a for a in mesh_axes_of(name, rules) if mesh.shape[a] > 1)
     # A layer's weights are split as a layer of the stack is: where `layers` takes
     # mesh axes (the owner layout), they no longer split the other dims.
@@ -134,9 +140,8 @@ def moe_mlp(x: jax.Array, router: jax.Array, bias: jax.Array | None, gate_up: ja
     no_bias = jnp.zeros((0,), jnp.float32) if bias is None else bias
     if manual:
         return body(x, router, no_bias, gate_up, down)
-    return jax.shard_map(body, mesh=mesh, in_specs=(x_spec, *w_specs),
-                         out_specs=(x_spec, {k: P() for k in STATS}))(x, router, no_bias,
-                                                                      gate_up, down)
+    return nested.shard_map(body, mesh, (x_spec, *w_specs),
+                            (x_spec, {k: P() for k in STATS}))(x, router, no_bias, gate_up, down)
 
 
 def _local(x, router, bias, gate_up, down, cfg: MoEConfig, ep_axes=()):
@@ -279,10 +284,12 @@ def balance_expert_bias(variables: nnx.State, metrics: dict[str, jax.Array]) -> 
     def step(var):
         if not isinstance(var, ExpertBias):
             return var
-        rate = var.get_metadata()["rate"]
-        shape = var[...].shape                     # [L_moe, E], or [G, g, E] grouped
-        slots = shape[0] * shape[1] if len(shape) == 3 else shape[0]
-        error = jnp.pad(1.0 / load.shape[-1] - load, ((0, slots - load.shape[0]), (0, 0)))
-        return var.replace(var[...] + rate * jnp.sign(error).reshape(shape))
+        meta = var.get_metadata()
+        error = 1.0 / load.shape[-1] - load
+        if meta.get("real_layers") is not None:   # stacked in groups or stages: padding
+            # slots get no error and stay zero
+            error = stack_shape(logical_axes_of(var), var.shape,
+                                meta["real_layers"]).to_live(error)
+        return var.replace(var[...] + meta["rate"] * jnp.sign(error))
 
     return jax.tree.map(step, variables, is_leaf=lambda v: isinstance(v, nnx.Variable))

@@ -88,12 +88,19 @@ class PipelineRunner(StackRunner):
 
         y, stats = jax.shard_map(body, mesh=mesh, in_specs=(P(), [P(axis)] * len(leaves)),
                                  out_specs=(P(), P(axis)), axis_names=set(axis))(xm, leaves)
-        def in_batch_order(s):   # [S, M, per_stage, b, ...] -> [L, B, ...]: the real
-            # layers in order (only the last stages end in padding), the batch's rows
-            s = s.swapaxes(1, 2).reshape(-1, m, b, *s.shape[4:])[:stack.n]
+        def in_layer_order(s):   # [S, M, per_stage, ...] -> [L, M, ...]: the real layers
+            # in order (only the last stages end in padding, whose stats are dropped)
+            return s.swapaxes(1, 2).reshape(-1, m, *s.shape[3:])[:stack.n]
+
+        def in_batch_order(s):   # [L, M, b, ...] -> [L, B, ...]: the batch's rows
             return s.swapaxes(1, 2).reshape(stack.n, -1, *s.shape[3:])
 
-        return y.swapaxes(0, 1).reshape(x.shape), jax.tree.map(in_batch_order, stats)
+        # Stats summed over the batch (MoE loads, losses) are per microbatch here:
+        # their mean, as the train step's accumulation over microbatches takes it.
+        stats = {k: in_layer_order(v).mean(axis=1) if k in stack.summed
+                 else jax.tree.map(lambda a: in_batch_order(in_layer_order(a)), v)
+                 for k, v in stats.items()}
+        return y.swapaxes(0, 1).reshape(x.shape), stats
 
     def _ticks(self, stack: Stack, xm, blocks, axis, per_stage):
         """One stage's side of the schedule (inside ``shard_map``, manual over ``axis``):
