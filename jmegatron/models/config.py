@@ -196,6 +196,10 @@ class GPTConfig:
         _require(self.stages <= self.n_layers,
                  f"{self.stages} pipeline stages for {self.n_layers} layers: use at most one "
                  "stage per layer")
+        _require(self.stages == 1 or not self.moe.n_experts or self.moe.every == 1,
+                 f"pipeline stages ({self.stages}) run each layer stack whole, so they need "
+                 "the dense and MoE layers in two runs (moe.every=1), not "
+                 f"moe.every={self.moe.every}")
         _require(not self.moe.n_experts or any(self.moe_layers),
                  f"moe.first_dense={self.moe.first_dense} and moe.every={self.moe.every} leave "
                  f"no MoE layer among {self.n_layers}")

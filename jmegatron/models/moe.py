@@ -108,8 +108,8 @@ def moe_mlp(x: jax.Array, router: jax.Array, bias: jax.Array | None, gate_up: ja
     mesh, rules = active
     # Manual already: over the batch axes (rules.run_gathered: the body runs on the
     # local blocks), or over pipeline stages (the layer maps over the other axes).
-    in_manual = set(jax.sharding.get_abstract_mesh().manual_axes)
-    manual = tuple(a for a in mesh_axes_of(ax.BATCH, rules) if a in in_manual)
+    stages = mesh_axes_of(ax.STAGES, rules)
+    manual = tuple(a for a in jax.sharding.get_abstract_mesh().manual_axes if a not in stages)
     live = lambda name: tuple(a for a in mesh_axes_of(name, rules) if mesh.shape[a] > 1)
     # A layer's weights are split as a layer of the stack is: where `layers` takes
     # mesh axes (the owner layout), they no longer split the other dims.

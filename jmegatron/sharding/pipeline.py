@@ -70,6 +70,10 @@ class PipelineRunner(StackRunner):
             raise ValueError(f"a pipeline of {self.stages} stages got a stack of "
                              f"{leaves[0].shape[0]}: build the model with "
                              f"GPTConfig(stages={self.stages})")
+        if stack.start or stack.n != stack.shape.layers:
+            raise ValueError(f"a pipeline runs whole stacks, not layers {stack.start}.."
+                             f"{stack.start + stack.n - 1} of {stack.shape.layers}: keep each "
+                             f"kind of layer in one run (GPTConfig: moe.every=1)")
         active = active_mesh_and_rules()
         if active is None:   # one device: the stages in turn
             return ScanRunner()(stack, x)
