@@ -119,26 +119,32 @@ def stage2_programs():
             optimizer_report(mesh, dataclasses.replace(TRAIN, optim="soap")))
 
 
-def test_activations_cross_stages_by_permutes_on_every_tick(stage2_programs):
+def assert_only_activations_cross_stages(report, pipelines=1):
     """GPipe over S=2 stages and M=4 microbatches: M + S - 1 = 5 ticks per pass, each
-    sending one microbatch's activations [B/M/(data*fsdp), T, D] to the next stage.
-    The pipeline's input gradient and its output cross the stage axis once each (one
-    all-reduce of all M microbatches' activations); nothing else crosses it inside the
-    tick loops (no weight and no weight gradient moves between stages). Outside the
-    pipeline XLA may split the replicated embedding, head and loss over the idle stage
-    axis (docs/parallelism.md): those collectives run once per step."""
-    train, *_ = stage2_programs
-    ticks, rows, d = 4 + 2 - 1, B // 4 // 4, MODEL.d_model
-    crossing = [c for c in train.collectives if c.axes is None or "stage" in c.axes]
-    permutes = [c for c in crossing if c.kind == "collective-permute" and c.axes == ("stage",)]
-    assert permutes and all(c.shape.startswith(f"f32[{rows},{T},{d}]") for c in permutes), \
-        [c.shape for c in permutes]
-    assert sum(c.executions for c in permutes) == 2 * ticks   # forward and backward
+    sending one microbatch's activations [B/M/batch ranks, T, D] to the next stage;
+    nothing else crosses ``stage`` inside the tick loops (no weight and no weight
+    gradient moves between stages). Outside them, once per step, each pipeline's
+    output reaches every stage and its input's gradient comes back (one all-reduce of
+    all M microbatches' activations each: the embedding and head run on every stage,
+    docs/parallelism.md), and only buffers smaller than one microbatch's activations
+    cross (the layers' stats, scalars)."""
+    rows, d, ticks = B // 4 // 4, MODEL.d_model, 4 + 2 - 1
+    crossing = [c for c in report.collectives if c.axes is None or "stage" in c.axes]
     looped = [c for c in crossing if c.executions > 1]
-    assert looped == permutes, [(c.kind, c.shape, c.axes) for c in looped]
-    whole = f"f32[4,{rows},{T},{d}]"
-    assert sum(c.kind == "all-reduce" and c.shape.lstrip("(").startswith(whole)
-               for c in crossing) == 2, [(c.kind, c.shape) for c in crossing]
+    assert looped and all(c.kind == "collective-permute" and c.axes == ("stage",)
+                          and c.shape.startswith(f"f32[{rows},{T},{d}]") for c in looped), \
+        report.table()
+    assert sum(c.executions for c in looped) == 2 * ticks * pipelines   # forward, backward
+    buffers = [(c.kind, dims) for c in crossing if c.executions == 1
+               for dims in re.findall(r"\[([\d,]*)\]", c.shape)]
+    whole = f"4,{rows},{T},{d}"
+    assert [kind for kind, dims in buffers if dims == whole] == ["all-reduce"] * 2 * pipelines
+    assert all(math.prod(int(n) for n in dims.split(",") if n) < rows * T * d
+               for _, dims in buffers if dims != whole), buffers
+
+
+def test_only_activations_cross_stages(stage2_programs):
+    assert_only_activations_cross_stages(stage2_programs[0])
 
 
 def test_the_optimizer_step_sends_nothing_across_stages(stage2_programs):
@@ -205,25 +211,14 @@ def test_moe_three_steps_equal_one_device(mesh_config, layout, remat, moe_refere
 
 def test_moe_experts_exchange_within_each_stage():
     """Stage 2 x data 2 x expert 2: the MoE all-to-alls run inside the tick loops over
-    ``expert`` only, and nothing but the activations' permutes crosses ``stage``
-    there. Outside the loops, besides each pipeline's two designed all-reduces of its
-    activations, only buffers smaller than one microbatch's activations cross it once
-    per step (the per-layer MoE loads and losses, scalars)."""
+    ``expert`` only; across stages, still only the activations of the two pipelines
+    (dense and MoE stacks)."""
     mesh = make_mesh(MeshConfig(stage=2, data=2, fsdp=1, expert=2))
     _, _, state, step = setup(mesh, "fsdp", MOE_MODEL, TRAIN, 4)
     report = hlo_collectives(step, state, jax.device_put(batches()[0]))
-    looped = [c for c in report.collectives if c.executions > 1]
-    assert any(c.kind == "all-to-all" and c.axes == ("expert",) for c in looped), report.table()
-    crossing = lambda cs: [c for c in cs if c.axes is None or "stage" in c.axes]
-    assert crossing(looped) and all(c.kind == "collective-permute" and c.axes == ("stage",)
-                                    for c in crossing(looped)), report.table()
-    rows, d = B // 4 // 4, MODEL.d_model
-    buffers = [dims for c in crossing(report.collectives) if c.executions == 1
-               for dims in re.findall(r"\[([\d,]*)\]", c.shape)]
-    whole = f"4,{rows},{T},{d}"   # all 4 microbatches' activations
-    assert buffers.count(whole) == 2 * 2, buffers   # two pipelines: dense and MoE
-    assert all(math.prod(int(n) for n in dims.split(",") if n) < rows * T * d
-               for dims in buffers if dims != whole), buffers
+    assert any(c.kind == "all-to-all" and c.axes == ("expert",) and c.executions > 1
+               for c in report.collectives), report.table()
+    assert_only_activations_cross_stages(report, pipelines=2)
 
 
 @pytest.mark.parametrize("model", [MODEL, dataclasses.replace(MOE_MODEL, n_layers=4)],

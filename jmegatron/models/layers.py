@@ -9,7 +9,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jmegatron.models.config import GPTConfig
-from jmegatron.sharding import rules as ax
+from jmegatron.sharding import nested, rules as ax
 from jmegatron.sharding.rules import (active_mesh_and_rules, constrain, logical_to_spec,
                                       mesh_axes_of, spec_axes)
 
@@ -54,10 +54,9 @@ def embed_lookup(table: jax.Array, tokens: jax.Array) -> jax.Array:
         rows = table_block[jnp.clip(ids, 0, v_local - 1)]
         return jax.lax.psum(jnp.where(here[..., None], rows, 0), vocab_axes)
 
-    return jax.shard_map(
-        local, mesh=mesh,
-        in_specs=(jax.P(vocab_axes, None), logical_to_spec((ax.BATCH, ax.SEQ), rules)),
-        out_specs=logical_to_spec((ax.BATCH, ax.SEQ, ax.ACT_EMBED), rules))(table, tokens)
+    return nested.shard_map(
+        local, mesh, (jax.P(vocab_axes, None), logical_to_spec((ax.BATCH, ax.SEQ), rules)),
+        logical_to_spec((ax.BATCH, ax.SEQ, ax.ACT_EMBED), rules))(table, tokens)
 
 
 def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:

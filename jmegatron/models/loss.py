@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jmegatron.sharding import rules as ax
+from jmegatron.sharding import nested, rules as ax
 from jmegatron.sharding.rules import Rules, logical_to_spec, spec_axes
 
 _NEG = jnp.finfo(jnp.float32).min   # logit of a padded vocabulary entry
@@ -98,8 +98,8 @@ def vocab_parallel_token_loss(logits: jax.Array, targets: jax.Array, vocab_size:
         log_z = jnp.log(sum_exp) + peak
         return TokenLoss(log_z - target, log_z)
 
-    return jax.shard_map(local, mesh=mesh, in_specs=(logits_spec, token_spec),
-                         out_specs=TokenLoss(token_spec, token_spec))(logits, targets)
+    return nested.shard_map(local, mesh, (logits_spec, token_spec),
+                            TokenLoss(token_spec, token_spec))(logits, targets)
 
 
 def cross_entropy(logits: jax.Array, targets: jax.Array, vocab_size: int, *,

@@ -26,6 +26,7 @@ last, which an SPMD program can only approximate by masking.
 from __future__ import annotations
 
 import dataclasses
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -65,8 +66,13 @@ class PipelineRunner(StackRunner):
                              f">= {self.stages}")
 
     def __call__(self, stack: Stack, x: jax.Array) -> tuple[jax.Array, dict]:
+        active = active_mesh_and_rules()
+        axis = () if active is None else mesh_axes_of(STAGES, active[1])
+        # Inside a map manual over the stages already (the loss's: train.step), each
+        # device holds its own stage's [1, L/S, ...] blocks.
+        inside = bool(axis) and set(axis) <= set(jax.sharding.get_abstract_mesh().manual_axes)
         leaves = stack.leaves
-        if leaves[0].shape[0] != self.stages:
+        if leaves[0].shape[0] != (1 if inside else self.stages):
             raise ValueError(f"a pipeline of {self.stages} stages got a stack of "
                              f"{leaves[0].shape[0]}: build the model with "
                              f"GPTConfig(stages={self.stages})")
@@ -74,11 +80,9 @@ class PipelineRunner(StackRunner):
             raise ValueError(f"a pipeline runs whole stacks, not layers {stack.start}.."
                              f"{stack.start + stack.n - 1} of {stack.shape.layers}: keep each "
                              f"kind of layer in one run (GPTConfig: moe.every=1)")
-        active = active_mesh_and_rules()
         if active is None:   # one device: the stages in turn
             return ScanRunner()(stack, x)
         mesh, rules = active
-        axis = mesh_axes_of(STAGES, rules)
         m = self.microbatches
         b = x.shape[0] // m
         # Microbatch k takes rows k, k + M, ...: each device's rows split evenly.
@@ -90,8 +94,13 @@ class PipelineRunner(StackRunner):
             with activation_sharding(jax.sharding.get_abstract_mesh(), rules):
                 return self._ticks(stack, xm, [blk[0] for blk in blocks], axis, per_stage)
 
-        y, stats = jax.shard_map(body, mesh=mesh, in_specs=(P(), [P(axis)] * len(leaves)),
-                                 out_specs=(P(), P(axis)), axis_names=set(axis))(xm, leaves)
+        if inside:   # every stage's stats on every stage: one stats-sized all-reduce
+            y, stats = body(xm, leaves)
+            stats = jax.tree.map(lambda a: _from_every_stage(a, axis, self.stages), stats)
+        else:
+            y, stats = jax.shard_map(body, mesh=mesh, in_specs=(P(), [P(axis)] * len(leaves)),
+                                     out_specs=(P(), P(axis)), axis_names=set(axis))(xm, leaves)
+
         def in_layer_order(s):   # [S, M, per_stage, ...] -> [L, M, ...]: the real layers
             # in order (only the last stages end in padding, whose stats are dropped)
             return s.swapaxes(1, 2).reshape(-1, m, *s.shape[3:])[:stack.n]
@@ -145,6 +154,44 @@ class PipelineRunner(StackRunner):
         (_, outs, stats), _ = jax.lax.scan(tick, start, jnp.arange(m + s_count - 1))
         last = jax.lax.psum(jnp.where(stage == s_count - 1, outs, 0), tuple(axis))
         return last, jax.tree.map(lambda a: a[None], stats)
+
+
+def over_stages(fn, mesh: jax.sharding.Mesh, rules) -> Callable:
+    """``fn(mesh, params, *args)`` run manual over the stage axis, as
+    ``(params, *args) -> fn's outputs``: the leaves of ``params`` stacked over
+    ``stages`` arrive as this stage's blocks [1, ...], every other leaf and
+    argument whole; ``fn`` gets the stage's abstract mesh, and its outputs must be
+    the same on every stage.
+
+    The loss function runs so with pipeline stages (``train.make_loss_fn``): the
+    embedding, head and loss are then one replicated computation per stage that
+    XLA cannot split over the stage axis (left to it, it did, and moved weight-
+    sized buffers across stages), and the pipeline inside runs on the blocks
+    it is given (``PipelineRunner``)."""
+    axis = mesh_axes_of(STAGES, rules)
+    is_var = lambda v: isinstance(v, nnx.Variable)
+    staged = lambda v: is_var(v) and (logical_axes_of(v) or (None,))[0] == STAGES
+
+    def mapped(params, *args):
+        specs = [P(axis) if staged(v) else P()
+                 for v in jax.tree.leaves(params, is_leaf=is_var)]
+        treedef = jax.tree.structure(params)
+
+        def body(leaves, *args):
+            return fn(jax.sharding.get_abstract_mesh(), treedef.unflatten(leaves), *args)
+
+        return jax.shard_map(body, mesh=mesh, in_specs=(specs, *[P()] * len(args)),
+                             out_specs=P(), axis_names=set(axis))(jax.tree.leaves(params),
+                                                                  *args)
+    return mapped
+
+
+def _from_every_stage(a: jax.Array, axis, stages: int) -> jax.Array:
+    """This stage's [1, ...] -> every stage's [S, ...], the same on all (a psum of each
+    stage's own slot; an all-gather's result would still count as varying)."""
+    whole = jnp.zeros((stages, *a.shape[1:]), a.dtype)
+    return jax.lax.psum(jax.lax.dynamic_update_index_in_dim(
+        whole, a[0], jax.lax.axis_index(axis), 0), axis)
 
 
 def _one_stage(state, blocks, layers: int):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 import jax
@@ -16,6 +17,7 @@ from jmegatron.models.moe import balance_expert_bias, moe_losses
 from jmegatron.models.qk_clip import Clip
 from jmegatron.sharding import rules as ax
 from jmegatron.sharding.layouts import Layout
+from jmegatron.sharding.pipeline import over_stages
 from jmegatron.sharding.rules import Rules, activation_sharding, logical_to_spec
 from jmegatron.sharding.runners import running
 from jmegatron.train.optimizer import Optimizer, group_update_rms
@@ -37,7 +39,7 @@ def make_loss_fn(graphdef: nnx.GraphDef, model_cfg: GPTConfig, mesh: jax.shardin
     rules = layout.rules
     runner = layout.runner(model_cfg.prefetch, model_cfg.keep_gathered, microbatches)
 
-    def loss_fn(params, tokens):
+    def loss_on(mesh, params, tokens):
         with activation_sharding(mesh, rules), running(runner):
             logits, model_aux = nnx.merge(graphdef, params)(tokens[:, :-1], return_aux=True)
         loss, aux = cross_entropy(logits, tokens[:, 1:], model_cfg.vocab_size, z_loss=z_loss,
@@ -45,7 +47,10 @@ def make_loss_fn(graphdef: nnx.GraphDef, model_cfg: GPTConfig, mesh: jax.shardin
         moe_loss, moe_metrics = moe_losses(model_aux.moe, model_cfg.moe)
         return loss + moe_loss, {**aux, **moe_metrics,
                                  "max_attention_logit": model_aux.max_logit}
-    return loss_fn
+
+    if layout.stages > 1:   # each stage runs its own blocks (sharding.pipeline)
+        return over_stages(loss_on, mesh, rules)
+    return functools.partial(loss_on, mesh)
 
 
 def split_microbatches(tokens: jax.Array, n: int, mesh: jax.sharding.Mesh,
