@@ -298,12 +298,17 @@ def losses(run_dir) -> dict:
 
 
 def test_the_cli_trains_a_pipeline_and_resumes_it_exactly(tmp_path, capsys):
-    args = [*SMALL, "--mesh.stage", "2", "--mesh.data", "2", "--mesh.fsdp", "2",
-            "--mesh.tensor", "1", "--microbatches", "2", "--steps", "4", "--out-dir",
-            str(tmp_path)]
+    """A dense first layer and 3 MoE layers (expert biases included) over 2 stages of
+    data 2 x expert 2, stopped and resumed from its checkpoint."""
+    moe = ["--model.n-layers", "4", "--model.moe.n-experts", "4", "--model.moe.d-ff", "16",
+           "--model.moe.first-dense", "1", "--model.moe.bias-rate", "0.01"]
+    args = [*SMALL, *moe, "--mesh.stage", "2", "--mesh.data", "2", "--mesh.fsdp", "1",
+            "--mesh.expert", "2", "--mesh.tensor", "1", "--microbatches", "2", "--steps", "4",
+            "--out-dir", str(tmp_path)]
     assert main(*args, "--name", "straight") is None
-    assert ("pipeline: 2 stages of 1 layers, gpipe over 2 microbatches: 3 ticks per pass, "
-            "bubble (S-1)/(M+S-1) = 33.3%") in capsys.readouterr().out
+    assert ("pipeline: 2 stages of 1 dense + 2 MoE layers (a pipeline per stack), gpipe over "
+            "2 microbatches: 3 ticks per pass, bubble (S-1)/(M+S-1) = 33.3%"
+            ) in capsys.readouterr().out
     assert main(*args, "--name", "halves", "--stop-after", "2") is None
     assert main(*args, "--name", "halves", "--resume") is None
     straight = losses(tmp_path / "straight")

@@ -387,9 +387,13 @@ class Run:
             f" | {t.cfg.optim} matmuls {self.optimizer_flops / 1e9:.2f} GFLOP/step "
             f"(routing and ownership: {self.dir / 'routing.txt'})")
         if t.layout.stages > 1:
-            stages, micro = t.layout.stages, t.cfg.microbatches
-            per_stage = -(-t.model_cfg.n_layers // stages)
-            t.log(f"pipeline: {stages} stages of {per_stage} layers, gpipe over {micro} "
+            stages, micro, cfg = t.layout.stages, t.cfg.microbatches, t.model_cfg
+            stacks = [(n, kind) for n, kind in ((cfg.dense_layers, "dense"),
+                                                (cfg.n_layers - cfg.dense_layers, "MoE")) if n]
+            per_stage = (f"{-(-cfg.n_layers // stages)} layers" if len(stacks) == 1 else
+                         " + ".join(f"{-(-n // stages)} {kind}" for n, kind in stacks)
+                         + " layers (a pipeline per stack)")
+            t.log(f"pipeline: {stages} stages of {per_stage}, gpipe over {micro} "
                   f"microbatches: {micro + stages - 1} ticks per pass, bubble "
                   f"(S-1)/(M+S-1) = {bubble(stages, micro):.1%}")
         warmup = t.cfg.schedule.warmup_steps
