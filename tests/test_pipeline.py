@@ -195,10 +195,11 @@ def assert_padding_is_zero(params):
     (MeshConfig(stage=2, fsdp=2, tensor=2), "owner", "none"),
     (MeshConfig(stage=2, fsdp=2, tensor=2), "layerwise", "full"),
     (MeshConfig(stage=4, data=2, fsdp=1), "layerwise", "dots"),
+    (MeshConfig(stage=4, data=2, fsdp=1), "owner", "none"),
     (MeshConfig(stage=2, data=2, fsdp=1, expert=2), "fsdp", "none"),
 ], ids=["stage2_fsdp2_tensor2", "stage2_fsdp2_tensor2_owner",
         "stage2_fsdp2_tensor2_layerwise_remat", "stage4_data2_layerwise_remat",
-        "stage2_data2_expert2"])
+        "stage4_data2_owner", "stage2_data2_expert2"])
 def test_moe_three_steps_equal_one_device(mesh_config, layout, remat, moe_reference):
     """Each MoE layer maps over the stage's other axes (experts, tensor, batch) inside
     the pipeline's map (sharding.nested); the expert biases move with the stage's
