@@ -1,0 +1,128 @@
+"""Pipeline schedules side by side: step time, bubble, traffic between stages, memory.
+
+    python -m experiments.bench_pipeline [--small] [--stages 2 4] [--per-stage 1 2 4]
+                                         [--optim adamw] [--out PATH]
+
+On 8 devices, a GPT of 8 layers (D = 512; 256 with --small) with AdamW (or
+--optim's optimizer; Muon under fsdp orthogonalizes every matrix on every rank,
+so its step shrinks with the stages and hides the pipeline's own cost) under
+the fsdp layout: the baseline without a pipeline on fsdp 8, then for each S
+stages (stage S x fsdp 8/S) and M = k * S microbatches (k of --per-stage) each
+schedule: the train step's time and its ratio to the baseline's; the bubble
+as modelled, (S - 1) / (M + S - 1), and as compiled (T ticks, the trip count
+of the loop that sends the activations on: (T - M) / T); the bytes per device
+the collective-permutes across ``stage`` move per step, and everything else
+that crosses it; and the train step's temporaries per device (XLA's memory
+analysis). An idle stage's tick computes on zeros, so the devices' work together
+is 1 / (1 - bubble) of the unpipelined step's ("work vs none"); on 8 virtual
+devices sharing 2 cores that work adds up and nothing overlaps: read the times
+against it, not as a GPU's speed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from experiments.bench_common import argv, best_time, print_table, write_results
+from jmegatron.models import GPT, GPTConfig
+from jmegatron.sharding import MeshConfig, hlo_collectives, make_mesh
+from jmegatron.sharding.layouts import make_layout
+from jmegatron.sharding.pipeline import SCHEDULES, bubble
+from jmegatron.train import TrainConfig, create_train_state
+from jmegatron.train.optimizer import make_optimizer
+from jmegatron.train.registry import optimizer_names
+from jmegatron.train.step import make_loss_fn, make_train_step
+
+BATCH, SEQ = 32, 128
+
+
+def model_config(small: bool) -> GPTConfig:
+    d = 256 if small else 512
+    return GPTConfig(vocab_size=259, d_model=d, n_layers=8, n_heads=8, n_kv_heads=8,
+                     d_ff=3 * d).pad_vocab(1)
+
+
+def measure(model: GPTConfig, stages: int, microbatches: int, schedule: str,
+            optim: str) -> dict:
+    """One row: the train step of ``model`` on stage S x fsdp 8/S (S = 1: no pipeline)."""
+    mesh = make_mesh(MeshConfig(stage=stages, data=1, fsdp=8 // stages))
+    layout = make_layout("fsdp", mesh.shape)
+    cfg = dataclasses.replace(model, **layout.stack_fields)
+    make_model = lambda: GPT(cfg, nnx.Rngs(0))
+    optimizer = make_optimizer(TrainConfig(optim=optim), nnx.split(nnx.eval_shape(make_model))[1], mesh,
+                               layout)
+    graphdef, state = create_train_state(make_model, optimizer.tx, optimizer.plan)
+    loss_fn = make_loss_fn(graphdef, cfg, mesh, layout, microbatches=microbatches)
+    step = make_train_step(loss_fn, optimizer, 1, mesh, layout.rules)
+    tokens = jax.device_put(jax.random.randint(jax.random.key(0), (BATCH, SEQ + 1), 0,
+                                               model.vocab_size),
+                            jax.NamedSharding(mesh, jax.P(("data", "fsdp", "expert"))))
+    report = hlo_collectives(step, state, tokens)
+    crossing = [c for c in report.collectives if c.axes is None or "stage" in c.axes]
+    permutes = [c for c in crossing if c.kind == "collective-permute"]
+    ticks = max((c.executions for c in permutes), default=0)
+    moved = lambda cs: sum(c.bytes_per_device * c.executions for c in cs)
+    temp = step.lower(state, tokens).compile().memory_analysis().temp_size_in_bytes
+    holder = [jax.tree.map(jnp.copy, state)]
+
+    def one_step():
+        holder[0], metrics = step(holder[0], tokens)
+        return metrics["loss"]
+
+    return {"schedule": schedule if stages > 1 else "none", "stages": stages,
+            "microbatches": microbatches, "step_ms": 1e3 * best_time(one_step, 2),
+            "bubble_model": bubble(stages, microbatches) if stages > 1 else 0.0,
+            "ticks": ticks, "bubble_hlo": (ticks - microbatches) / ticks if ticks else 0.0,
+            "permute_bytes_per_device": moved(permutes),
+            "other_stage_bytes_per_device": moved([c for c in crossing if c not in permutes]),
+            "temp_bytes_per_device": temp}
+
+
+def parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--small", action="store_true", help="D = 256")
+    parser.add_argument("--stages", type=int, nargs="+", default=[2, 4], choices=[2, 4, 8])
+    parser.add_argument("--per-stage", type=int, nargs="+", default=[1, 2, 4],
+                        help="microbatches per stage k: M = k * S")
+    parser.add_argument("--optim", default="adamw", choices=optimizer_names())
+    parser.add_argument("--out", default=None)
+    return parser
+
+
+def main(args_list: list[str] | None = None) -> list[dict]:
+    args = parser().parse_args(args_list)
+    jax.config.update("jax_num_cpu_devices", 8)
+    model = model_config(args.small)
+    rows = [measure(model, 1, 1, "none", args.optim)]
+    rows += [measure(model, s, k * s, schedule, args.optim) for schedule in SCHEDULES
+             for s in args.stages for k in args.per_stage]
+    for r in rows:
+        r["step_vs_none"] = r["step_ms"] / rows[0]["step_ms"]
+        # Every stage computes on every tick, idle ones on zeros: the devices' work
+        # together is 1 / (1 - bubble) of the unpipelined step's (XLA's cost analysis
+        # counts a loop's body once, whatever its trip count, so it cannot say).
+        r["work_vs_none"] = 1 / (1 - r["bubble_model"])
+    print(f"model: {model.n_layers} layers, D={model.d_model}, F={model.d_ff}, "
+          f"{model.param_count() / 1e6:.1f}M params; batch {BATCH} x {SEQ}; fsdp layout, "
+          f"{args.optim}; stage S x fsdp 8/S")
+    print_table(rows, [("schedule", "schedule", ""), ("stages", "S", "d"),
+                       ("microbatches", "M", "d"), ("step_ms", "train step ms", ".0f"),
+                       ("step_vs_none", "vs none", ".2f"),
+                       ("work_vs_none", "work vs none", ".2f"),
+                       ("bubble_model", "bubble model", ".1%"), ("ticks", "ticks", "d"),
+                       ("bubble_hlo", "bubble compiled", ".1%"),
+                       ("permute_bytes_per_device", "permute bytes/dev", ",.0f"),
+                       ("other_stage_bytes_per_device", "other bytes across stage/dev", ",.0f"),
+                       ("temp_bytes_per_device", "temp/dev", ",.0f")])
+    write_results("bench_pipeline", rows, args.out, argv() if args_list is None else args_list)
+    return rows
+
+
+if __name__ == "__main__":
+    main()
