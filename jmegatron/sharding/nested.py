@@ -75,5 +75,9 @@ def shard_map(body: Callable, mesh, in_specs: tuple, out_specs) -> Callable:
     already (inside a pipeline stage: all but ``stage``; ``mesh`` is then the
     stage's abstract mesh)."""
     manual = set(jax.sharding.get_abstract_mesh().manual_axes)
+    if manual and not NESTED_MAPS_DIFFERENTIATE:
+        raise ValueError(f"a shard_map inside one manual over {sorted(manual)} (a pipeline "
+                         f"stage) does not differentiate on jax {jax.__version__}, whose "
+                         "internals jmegatron's fix does not know: train without --mesh.stage")
     return jax.shard_map(body, mesh=mesh, in_specs=tuple(in_specs), out_specs=out_specs,
                          axis_names=set(mesh.axis_names) - manual)
