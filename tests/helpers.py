@@ -19,7 +19,8 @@ from jmegatron.train.optimizer import make_optimizer
 
 def build(mesh, layout_name, model, train):
     """(layout, optimizer, graphdef, state) of ``model`` under a layout, born sharded."""
-    layout = make_layout(layout_name, mesh.shape, assignment=train.assignment)
+    layout = make_layout(layout_name, mesh.shape, assignment=train.assignment,
+                         repeats=train.pipeline.repeats)
     cfg = dataclasses.replace(model, **layout.stack_fields)
     make_model = lambda: GPT(cfg, nnx.Rngs(0))
     abstract = nnx.split(nnx.eval_shape(make_model))[1]

@@ -22,9 +22,8 @@ from jmegatron.models.gpt import real_layers, ungroup
 from jmegatron.optim import trainable_params
 from jmegatron.sharding import MeshConfig, hlo_collectives, make_mesh, nested
 from jmegatron.sharding.pipeline import PipelineRunner, bubble
-from jmegatron.sharding.rules import logical_axes_of
-from jmegatron.sharding.stacks import stack_shape
-from jmegatron.train import (AdamWConfig, ScheduleConfig, TrainConfig, make_loss_fn,
+from jmegatron.sharding.stacks import stack_of
+from jmegatron.train import (AdamWConfig, PipelineConfig, ScheduleConfig, TrainConfig, make_loss_fn,
                              make_train_step)
 
 MODEL = GPTConfig(vocab_size=300, d_model=32, n_layers=4, n_heads=4, n_kv_heads=2,
@@ -120,7 +119,7 @@ def stage2_programs():
             optimizer_report(mesh, dataclasses.replace(TRAIN, optim="soap")))
 
 
-def assert_only_activations_cross_stages(report, pipelines=1):
+def assert_only_activations_cross_stages(report, pipelines=1, ticks=4 + 2 - 1):
     """GPipe over S=2 stages and M=4 microbatches: M + S - 1 = 5 ticks per pass, each
     sending one microbatch's activations [B/M/batch ranks, T, D] to the next stage;
     nothing else crosses ``stage`` inside the tick loops (no weight and no weight
@@ -129,7 +128,7 @@ def assert_only_activations_cross_stages(report, pipelines=1):
     all M microbatches' activations each: the embedding and head run on every stage,
     docs/parallelism.md), and only buffers smaller than one microbatch's activations
     cross (the layers' stats, scalars)."""
-    rows, d, ticks = B // 4 // 4, MODEL.d_model, 4 + 2 - 1
+    rows, d = B // 4 // 4, MODEL.d_model
     crossing = [c for c in report.collectives if c.axes is None or "stage" in c.axes]
     looped = [c for c in crossing if c.executions > 1]
     assert looped and all(c.kind == "collective-permute" and c.axes == ("stage",)
@@ -187,7 +186,7 @@ def assert_padding_is_zero(params):
                if isinstance(v, nnx.Variable) and real_layers(v) is not None]
     assert stacked
     for var in stacked:
-        shape = stack_shape(logical_axes_of(var), var.shape, real_layers(var))
+        shape = stack_of(var)
         assert not shape.real().all() and not np.any(np.asarray(var[...])[~shape.real()])
 
 
@@ -251,8 +250,7 @@ def live_like(canonical, params):
     """Gradients [L, ...] in the stacked form and shardings of ``params``' leaves."""
     variables = jax.tree.leaves(trainable_params(params),
                                 is_leaf=lambda v: isinstance(v, nnx.Variable))
-    leaves = [g if real_layers(v) is None else
-              stack_shape(logical_axes_of(v), v.shape, real_layers(v)).to_live(g)
+    leaves = [g if stack_of(v) is None else stack_of(v).to_live(g)
               for g, v in zip(jax.tree.leaves(canonical), variables)]
     return jax.tree.unflatten(jax.tree.structure(trainable_params(params)),
                               [jax.device_put(g, v[...].sharding)
@@ -275,6 +273,43 @@ def test_owner_stages_optimizer_step_has_no_collective(optim):
     mesh = make_mesh(MeshConfig(stage=2, fsdp=4))
     report = optimizer_report(mesh, dataclasses.replace(TRAIN, optim=optim), layout="owner")
     assert report.collectives == (), report.table()
+
+
+CIRCULAR = dataclasses.replace(TRAIN, pipeline=PipelineConfig("circular", repeats=2))
+
+
+@pytest.fixture(scope="module")
+def nine_layer_reference():
+    return three_steps(MeshConfig(fsdp=1), model=dataclasses.replace(MODEL, n_layers=9),
+                       devices=1, microbatches=1)
+
+
+@pytest.mark.parametrize("mesh_config, layout, model, reference", [
+    (MeshConfig(stage=2, fsdp=2, tensor=2), "fsdp", PADDED, "padded_reference"),
+    (MeshConfig(stage=4, data=2, fsdp=1), "layerwise", dataclasses.replace(MODEL, n_layers=9),
+     "nine_layer_reference"),
+    (MeshConfig(stage=2, data=2, fsdp=1, expert=2), "fsdp", MOE_MODEL, "moe_reference"),
+    (MeshConfig(stage=2, fsdp=2, tensor=2), "layerwise",
+     dataclasses.replace(MOE_MODEL, remat="full"), "moe_reference"),
+], ids=["stage2_fsdp2_tensor2_padded", "stage4_data2_layerwise_padded", "moe_stage2_expert2",
+        "moe_stage2_fsdp2_tensor2_layerwise_remat"])
+def test_circular_three_steps_equal_one_device(mesh_config, layout, model, reference, request):
+    """Two chunks a stage, interleaved (stage s holds chunks s and S + s), every chunk
+    padded where S x 2 does not divide a stack: the microbatches go around the stages
+    twice, and the run equals one device."""
+    got = three_steps(mesh_config, layout, model=model, train=CIRCULAR, keep=True)
+    chex.assert_trees_all_close(ungroup(got), request.getfixturevalue(reference),
+                                rtol=1e-5, atol=1e-6)
+    assert_padding_is_zero(got)
+
+
+def test_circular_runs_its_ticks_and_only_activations_cross_stages():
+    """Circular over S=2 stages, V=2 chunks, M=4 microbatches: V M + S - 1 = 9 ticks
+    a pass, the last stage's output wrapping around to stage 0."""
+    mesh = make_mesh(MeshConfig(stage=2, data=2, fsdp=2))
+    _, _, state, step = setup(mesh, "fsdp", MODEL, CIRCULAR, 4)
+    report = hlo_collectives(step, state, jax.device_put(batches()[0]))
+    assert_only_activations_cross_stages(report, ticks=2 * 4 + 2 - 1)
 
 
 def test_a_nested_map_differentiates_inside_a_scan_of_a_stage():
@@ -313,8 +348,9 @@ def test_a_nested_map_differentiates_inside_a_scan_of_a_stage():
     chex.assert_trees_all_close(grad(mapped), grad(plain), rtol=1e-5, atol=1e-6)
 
 
-def test_the_bubble_is_the_gpipe_formula():
+def test_the_bubble_is_the_schedules_formula():
     assert bubble(4, 4) == pytest.approx(3 / 7) and bubble(2, 8) == pytest.approx(1 / 9)
+    assert bubble(4, 4, repeats=2) == pytest.approx(3 / 11)
 
 
 @pytest.mark.parametrize("make, words", [
@@ -322,7 +358,12 @@ def test_the_bubble_is_the_gpipe_formula():
     (lambda: PipelineRunner(stages=4, microbatches=2), "2 microbatches for 4 pipeline stages"),
     (lambda: GPTConfig(n_layers=4, stages=2, moe=MoEConfig(n_experts=4, every=2)),
      "pipeline stages (2) run each layer stack whole"),
-], ids=["more_stages_than_layers", "fewer_microbatches", "interleaved_moe"])
+    (lambda: dataclasses.replace(MODEL, stages=2, repeats=2, layer_group=2),
+     "the circular pipeline (repeats=2) with the owner layout's groups"),
+    (lambda: dataclasses.replace(MODEL, stages=2, repeats=3), "2 pipeline stages of 3 chunks"),
+    (lambda: PipelineConfig("circular"), "--pipeline.repeats 1: must be >= 2 with"),
+], ids=["more_stages_than_layers", "fewer_microbatches", "interleaved_moe", "circular_owner",
+        "more_chunks_than_layers", "circular_without_repeats"])
 def test_unsupported_settings_are_refused_in_one_line(make, words):
     with pytest.raises(Exception, match=None) as err:
         make()

@@ -130,6 +130,9 @@ class GPTConfig:
       stages: Split each block stack into this many contiguous pipeline stages,
         [S, ceil(L / S), ...], the last padded with zero layers (set from the mesh's
         stage axis).
+      repeats: Circular pipelines: each stage holds this many interleaved chunks of
+        c = ceil(L / (S * V)) layers, [S, V * c, ...], chunk j on stage j % S (set by
+        the layout from --pipeline.repeats; 1: contiguous stages).
       prefetch: Grouped dense stacks (owner layout): issue group i+1's all-gather before
         group i runs, in both passes, so GPU/TPU schedulers can hide it; each group's
         layers are unrolled, and it holds at most one more group per device (see
@@ -163,6 +166,7 @@ class GPTConfig:
     padded_vocab_size: int | None = None
     layer_group: int = 1
     stages: int = 1
+    repeats: int = 1
     prefetch: bool = False
     keep_gathered: bool = False
     moe: MoEConfig = MoEConfig()
@@ -170,7 +174,7 @@ class GPTConfig:
     def __post_init__(self):
         object.__setattr__(self, "rope_scaling", tuple(self.rope_scaling))   # JSON gives lists
         _at_least(self, 1, "vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff",
-                  "vocab_multiple", "layer_group", "stages")
+                  "vocab_multiple", "layer_group", "stages", "repeats")
         _finite_positive(self, "init_std", "norm_eps", "rope_theta")
         _require(not self.rope_scaling or (len(self.rope_scaling) == 4
                                            and 0 < self.rope_scaling[1] < self.rope_scaling[2]),
@@ -196,6 +200,15 @@ class GPTConfig:
         _require(self.stages <= self.n_layers,
                  f"{self.stages} pipeline stages for {self.n_layers} layers: use at most one "
                  "stage per layer")
+        _require(self.repeats == 1 or self.stages > 1,
+                 f"repeats={self.repeats} chunks a stage needs pipeline stages (stages > 1)")
+        _require(self.stages * self.repeats <= self.n_layers,
+                 f"{self.stages} pipeline stages of {self.repeats} chunks for {self.n_layers} "
+                 "layers: use at most one chunk per layer")
+        _require(self.repeats == 1 or self.layer_group == 1,
+                 f"the circular pipeline (repeats={self.repeats}) with the owner layout's groups "
+                 f"(layer_group={self.layer_group}) is not supported yet: use fsdp, replicated "
+                 "or layerwise")
         _require(self.stages == 1 or not self.moe.n_experts or self.moe.every == 1,
                  f"pipeline stages ({self.stages}) run each layer stack whole, so they need "
                  "the dense and MoE layers in two runs (moe.every=1), not "

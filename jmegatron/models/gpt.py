@@ -15,7 +15,7 @@ from jmegatron.models.moe import STATS, MoEBlock
 from jmegatron.sharding import rules as ax
 from jmegatron.sharding.rules import constrain, logical_axes_of
 from jmegatron.sharding.runners import Stack, active_runner, default_runner
-from jmegatron.sharding.stacks import StackShape, stack_shape
+from jmegatron.sharding.stacks import StackShape, stack_of
 
 _REMAT = {
     "full": jax.checkpoint_policies.nothing_saveable,
@@ -152,12 +152,13 @@ def split_stack(blocks: nnx.Module, cfg: GPTConfig) -> None:
     dims, outer = [], []
     if cfg.stages > 1:
         dims, outer = [cfg.stages], [ax.STAGES]
-    per_stage = -(-layers // cfg.stages)
+    per_stage = StackShape(layers, (cfg.stages,), True, cfg.repeats).per_stage
     if cfg.layer_group > 1:
         dims, outer = dims + [-(-per_stage // cfg.layer_group)], outer + [ax.LAYER_GROUPS]
     if dims:
         last = cfg.layer_group if cfg.layer_group > 1 else per_stage
-        stack_layers(blocks, StackShape(layers, (*dims, last), cfg.stages > 1), tuple(outer))
+        stack_layers(blocks, StackShape(layers, (*dims, last), cfg.stages > 1, cfg.repeats),
+                     tuple(outer))
 
 
 def stack_layers(blocks: nnx.Module, stack: StackShape, outer: tuple[str, ...]) -> None:
@@ -173,6 +174,8 @@ def stack_layers(blocks: nnx.Module, stack: StackShape, outer: tuple[str, ...]) 
             var.set_value(stack.to_live(var[...]))
             var.set_metadata(out_sharding=(*outer, *logical_axes_of(var)),
                              real_layers=stack.layers)
+            if stack.repeats > 1:
+                var.set_metadata(repeats=stack.repeats)
 
 
 def real_layers(var) -> int | None:
@@ -192,12 +195,13 @@ def ungroup(params: nnx.State) -> nnx.State:
     """Block weights back to [L, ...] from [G, g, ...], padding dropped (other
     leaves unchanged)."""
     def flat(v):
-        layers = real_layers(v)
-        if layers is None:
+        stack = stack_of(v)
+        if stack is None:
             return v
-        stack = stack_shape(logical_axes_of(v), v.shape, layers)
         out = v.replace(stack.to_canonical(v[...]),
                         out_sharding=logical_axes_of(v)[len(stack.dims) - 1:])
         out.del_metadata("real_layers")
+        if "repeats" in out.get_metadata():
+            out.del_metadata("repeats")
         return out
     return jax.tree.map(flat, params, is_leaf=_is_variable)

@@ -42,13 +42,13 @@ from flax import nnx
 from jax.sharding import SingleDeviceSharding
 
 from jmegatron.models.config import GPTConfig, MoEConfig
-from jmegatron.models.gpt import GPT, real_layers
+from jmegatron.models.gpt import GPT
 # HFError and tensor_names are re-exported: callers import them from here.
 from jmegatron.models.safetensors_file import (INDEX, HFError, Tensors, model_file,  # noqa: F401
                                                read_json, tensor_names)
 from jmegatron.models.sharded import state_shardings
-from jmegatron.sharding.rules import DEFAULT_RULES, VOCAB, Rules, logical_axes_of, split_size
-from jmegatron.sharding.stacks import stack_shape
+from jmegatron.sharding.rules import DEFAULT_RULES, VOCAB, Rules, split_size
+from jmegatron.sharding.stacks import stack_of
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
                  "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
@@ -313,8 +313,7 @@ def _reader(key: str, var, t: Tensors, cfg: GPTConfig):
     stack, leaf = key.split(".", 1)
     moe = stack == "moe_blocks"
     layers = [i for i, m in enumerate(cfg.moe_layers) if m == moe]   # stack slot -> HF layer
-    grouped = real_layers(var) is not None
-    stack_of = stack_shape(logical_axes_of(var), var.shape, real_layers(var)) if grouped else None
+    shape = stack_of(var)   # None: [L, ...]
 
     def one_layer(slot: int, rest: tuple) -> np.ndarray:
         p = f"model.layers.{layers[slot]}."
@@ -328,11 +327,11 @@ def _reader(key: str, var, t: Tensors, cfg: GPTConfig):
         return _LAYER[leaf](t, p, cfg)[rest]
 
     def stacked_block(index):
-        if not grouped:
+        if shape is None:
             slots = range(*index[0].indices(len(layers)))
             return np.stack([one_layer(s, index[1:]) for s in slots])
-        depth = len(stack_of.dims)
-        held, rest = stack_of.layer_at()[index[:depth]], index[depth:]
+        depth = len(shape.dims)
+        held, rest = shape.layer_at()[index[:depth]], index[depth:]
         padding = np.broadcast_to(np.float32(0), var.shape[depth:])[rest]   # the skipped slots
         blocks = [one_layer(s, rest) if s >= 0 else padding for s in held.reshape(-1)]
         return np.stack(blocks).reshape(*held.shape, *padding.shape)
@@ -419,10 +418,8 @@ def _hf_tensors(leaves: dict, cfg: GPTConfig):
 
         def layer(leaf):
             var = leaves[f"{stack}.{leaf}"]
-            if real_layers(var) is None:
-                return host(var[...][slot])
-            where = stack_shape(logical_axes_of(var), var.shape, real_layers(var)).slot_of(slot)
-            return host(var[...][where])
+            shape = stack_of(var)
+            return host(var[...][slot if shape is None else shape.slot_of(slot)])
 
         p = f"model.layers.{i}."
         yield p + "input_layernorm.weight", layer("attn_norm")

@@ -47,9 +47,9 @@ from jmegatron.models import dispatch
 from jmegatron.models.config import GPTConfig, MoEConfig
 from jmegatron.models.layers import Attention, SwiGLU, param, rms_norm
 from jmegatron.sharding import nested, rules as ax
-from jmegatron.sharding.rules import (active_mesh_and_rules, constrain, logical_axes_of,
-                                     logical_to_spec, mesh_axes_of)
-from jmegatron.sharding.stacks import stack_shape
+from jmegatron.sharding.rules import (active_mesh_and_rules, constrain, logical_to_spec,
+                                     mesh_axes_of)
+from jmegatron.sharding.stacks import stack_of
 
 # Per-layer statistics: "load" [E] (share of assignments per expert), "dropped"
 # (share dropped), "aux_loss", "z_loss"; stacked [L_moe, ...] by the model. Each
@@ -284,12 +284,9 @@ def balance_expert_bias(variables: nnx.State, metrics: dict[str, jax.Array]) -> 
     def step(var):
         if not isinstance(var, ExpertBias):
             return var
-        meta = var.get_metadata()
-        error = 1.0 / load.shape[-1] - load
-        if meta.get("real_layers") is not None:   # stacked in groups or stages: padding
-            # slots get no error and stay zero
-            error = stack_shape(logical_axes_of(var), var.shape,
-                                meta["real_layers"]).to_live(error)
-        return var.replace(var[...] + meta["rate"] * jnp.sign(error))
+        error, stack = 1.0 / load.shape[-1] - load, stack_of(var)
+        if stack is not None:   # stacked in groups or stages: padding slots get no error
+            error = stack.to_live(error)   # and stay zero
+        return var.replace(var[...] + var.get_metadata()["rate"] * jnp.sign(error))
 
     return jax.tree.map(step, variables, is_leaf=lambda v: isinstance(v, nnx.Variable))

@@ -36,7 +36,6 @@ References:
 from __future__ import annotations
 
 import itertools
-import math
 from typing import Callable
 
 import jax
@@ -44,6 +43,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jmegatron.models.config import GPTConfig
+from jmegatron.sharding.stacks import stack_of
 
 # Where the fused QKV weights sit in the model's params: (stack, is MoE).
 _STACKS = (("blocks", False), ("moe_blocks", True))
@@ -125,20 +125,20 @@ def qk_clip(params: nnx.State, max_logit: jax.Array, cfg: GPTConfig, tau: float,
         if names[1:] not in (_QKV, _QKV_BIAS) or names[0] not in scales:
             return var
         embed_axes = int(names[1:] == _QKV)
-        return var.replace(var[...] * _per_slot(scales[names[0]], var[...], embed_axes))
+        return var.replace(var[...] * _per_slot(scales[names[0]], var, embed_axes))
 
     return jax.tree_util.tree_map_with_path(
         clip, params, is_leaf=lambda v: isinstance(v, nnx.Variable))
 
 
-def _per_slot(scale: jax.Array, weight: jax.Array, embed_axes: int = 1) -> jax.Array:
+def _per_slot(scale: jax.Array, var: nnx.Variable, embed_axes: int = 1) -> jax.Array:
     """[L, K, G + 2] scales broadcast against a QKV weight [L, D, K, G + 2, H] (or
-    its bias [L, K, G + 2, H]: ``embed_axes=0``), or a grouped one [G, g, ...]
-    (padding layers get 1)."""
-    lead = weight.shape[:-3 - embed_axes]             # (L,) or (groups, g)
-    slots = math.prod(lead)
-    scale = jnp.pad(scale, ((0, slots - scale.shape[0]), (0, 0), (0, 0)), constant_values=1.0)
-    return scale.reshape(*lead, *(1,) * embed_axes, *scale.shape[1:], 1)
+    its bias [L, K, G + 2, H]: ``embed_axes=0``), stacked as the variable declares
+    (groups, stages, circular chunks: ``sharding.stacks``; a padding slot holds a
+    zero weight, whatever its scale)."""
+    stack = stack_of(var)
+    scale = scale if stack is None else stack.to_live(scale)
+    return scale.reshape(*scale.shape[:-2], *(1,) * embed_axes, *scale.shape[-2:], 1)
 
 
 def qk_clipper(cfg: GPTConfig, tau: float, alpha: float = 0.5) -> Clip:

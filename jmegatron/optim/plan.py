@@ -36,7 +36,7 @@ from jmegatron.optim.routing import (ADAMW, MATRIX, LeafRoute, MatrixFlops, Rout
 from jmegatron.sharding import rules as ax
 from jmegatron.sharding.layouts import Layout, make_layout
 from jmegatron.sharding.rules import DEFAULT_RULES, Rules
-from jmegatron.sharding.stacks import stack_shape
+from jmegatron.sharding.stacks import stack_of
 
 HELD, BLOCKS = "held", "blocks"
 _STATE_FORMS: dict[type, dict[str, str]] = {}
@@ -335,8 +335,8 @@ def _codec(node, leaf: LeafRoute) -> LeafCodec:
     """The param's codec from what its variable declares: grouped layers [G, g, ...]
     (the model's ``real_layers``) and a padded vocabulary (``real_vocab``)."""
     meta = node.get_metadata() if _is_variable(node) else {}
-    layers, vocab = meta.get("real_layers", 0), meta.get("real_vocab")
-    grouped = dict(stack=stack_shape(leaf.logical, leaf.shape, layers)) if layers else {}
+    stack, vocab = stack_of(node) if _is_variable(node) else None, meta.get("real_vocab")
+    grouped = {} if stack is None else dict(stack=stack)
     if vocab is None:
         return LeafCodec(**grouped)
     dim = leaf.logical.index(ax.VOCAB)

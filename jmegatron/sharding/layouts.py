@@ -64,6 +64,7 @@ class Layout:
     owner_sizes: tuple[int, ...] = ()   # their sizes
     assignment: str = "round_robin"     # which owner gets which matrix (layerwise)
     stages: int = 1                     # pipeline stages (the mesh axes ``stages`` maps to)
+    repeats: int = 1                    # chunks per stage of a circular pipeline
 
     @property
     def owners(self) -> int:
@@ -78,8 +79,10 @@ class Layout:
     @property
     def stack_fields(self) -> dict[str, int]:
         """How the model must stack its blocks for this layout: the ``GPTConfig``
-        fields ``layer_group`` and ``stages`` (``dataclasses.replace(cfg, **these)``)."""
-        return {"layer_group": self.layer_group, "stages": self.stages}
+        fields ``layer_group``, ``stages`` and ``repeats``
+        (``dataclasses.replace(cfg, **these)``)."""
+        return {"layer_group": self.layer_group, "stages": self.stages,
+                "repeats": self.repeats}
 
     def runner(self, prefetch: bool = False, keep_gathered: bool = False,
                microbatches: int = 1) -> StackRunner:
@@ -88,8 +91,11 @@ class Layout:
         layers by this layout's own runner. ``prefetch`` and ``keep_gathered`` are the
         owner layout's options (``GPTConfig``)."""
         inner = self.stage_runner(prefetch, keep_gathered)
-        return (PipelineRunner(stages=self.stages, microbatches=microbatches, inner=inner)
-                if self.stages > 1 else inner)
+        if self.stages == 1:
+            return inner
+        return PipelineRunner(stages=self.stages, microbatches=microbatches, inner=inner,
+                              schedule="circular" if self.repeats > 1 else "gpipe",
+                              repeats=self.repeats)
 
     def stage_runner(self, prefetch: bool, keep_gathered: bool) -> StackRunner:
         """The runner of one stage's layers (all of them without a pipeline)."""
@@ -176,10 +182,14 @@ class Owner(Layout):
 
 
 def make_layout(name: str, mesh_shape: Mapping[str, int], rules: Rules = DEFAULT_RULES,
-                assignment: str = "round_robin") -> Layout:
+                assignment: str = "round_robin", repeats: int = 1) -> Layout:
     """The layout ``name`` for a mesh of ``mesh_shape``, built on Megatron's ``rules``;
     under layerwise, matrices are owned by ``assignment`` (round_robin, or
-    balanced: see ``jmegatron.optim.owners.stack_offsets``)."""
+    balanced: see ``jmegatron.optim.owners.stack_offsets``); with pipeline stages,
+    ``repeats`` chunks per stage make the pipeline circular."""
+    if repeats != 1:
+        return dataclasses.replace(make_layout(name, mesh_shape, rules, assignment),
+                                   repeats=repeats)
     if name not in LAYOUTS:
         raise ValueError(f"unknown layout {name!r}; choose one of {LAYOUTS}")
     if assignment not in ASSIGNMENTS:

@@ -37,29 +37,35 @@ from jmegatron.sharding.rules import (ACT_EMBED, BATCH, SEQ, STAGES, active_mesh
                                      activation_sharding, constrain, logical_axes_of,
                                      mesh_axes_of)
 from jmegatron.sharding.runners import ScanRunner, Stack, StackRunner
+from jmegatron.sharding.stacks import StackShape
 
-SCHEDULES = ("gpipe",)
+SCHEDULES = ("gpipe", "circular")
 
 
-def bubble(stages: int, microbatches: int) -> float:
-    """The idle fraction of a GPipe step, (S - 1) / (M + S - 1)."""
-    return (stages - 1) / (microbatches + stages - 1)
+def bubble(stages: int, microbatches: int, repeats: int = 1) -> float:
+    """The idle fraction of a step, (S - 1) / (V M + S - 1): GPipe's with V = 1."""
+    return (stages - 1) / (repeats * microbatches + stages - 1)
 
 
 @dataclasses.dataclass(frozen=True)
 class PipelineRunner(StackRunner):
     """Runs a stack [S, L/S, ...] as ``stages`` pipeline stages over ``microbatches``
-    (the ``gpipe`` schedule: module docstring); each stage's layers by ``inner``."""
+    (module docstring): ``gpipe``, or ``circular`` with ``repeats`` chunks a stage;
+    each chunk's layers by ``inner``."""
 
     stages: int = 2
     microbatches: int = 2
     inner: StackRunner = ScanRunner()
     schedule: str = "gpipe"
+    repeats: int = 1
 
     def __post_init__(self):
         if self.schedule not in SCHEDULES:
             raise ValueError(f"unknown pipeline schedule {self.schedule!r}; choose one of "
                              f"{SCHEDULES}")
+        if (self.repeats > 1) != (self.schedule == "circular"):
+            raise ValueError(f"the {self.schedule} schedule with {self.repeats} chunks a stage: "
+                             "circular takes repeats >= 2, gpipe 1")
         if self.microbatches < self.stages:
             raise ValueError(f"{self.microbatches} microbatches for {self.stages} pipeline "
                              f"stages: every stage would idle; use --microbatches "
@@ -76,6 +82,10 @@ class PipelineRunner(StackRunner):
             raise ValueError(f"a pipeline of {self.stages} stages got a stack of "
                              f"{leaves[0].shape[0]}: build the model with "
                              f"GPTConfig(stages={self.stages})")
+        if stack.shape.repeats != self.repeats:
+            raise ValueError(f"a pipeline of {self.repeats} chunks a stage got a stack of "
+                             f"{stack.shape.repeats}: build the model with "
+                             f"GPTConfig(repeats={self.repeats})")
         if stack.start or stack.n != stack.shape.layers:
             raise ValueError(f"a pipeline runs whole stacks, not layers {stack.start}.."
                              f"{stack.start + stack.n - 1} of {stack.shape.layers}: keep each "
@@ -88,7 +98,8 @@ class PipelineRunner(StackRunner):
         # Microbatch k takes rows k, k + M, ...: each device's rows split evenly.
         xm = constrain(x.reshape(b, m, *x.shape[1:]).swapaxes(0, 1),
                        (None, BATCH, SEQ, ACT_EMBED))
-        per_stage = -(-stack.n // self.stages)   # real layers of a full stage
+        # Layer slots a stage fills (from the whole stack: inside, dims[0] is 1).
+        per_stage = StackShape(stack.n, (self.stages,), True, self.repeats).per_stage
 
         def body(xm, blocks):
             with activation_sharding(jax.sharding.get_abstract_mesh(), rules):
@@ -101,9 +112,10 @@ class PipelineRunner(StackRunner):
             y, stats = jax.shard_map(body, mesh=mesh, in_specs=(P(), [P(axis)] * len(leaves)),
                                      out_specs=(P(), P(axis)), axis_names=set(axis))(xm, leaves)
 
-        def in_layer_order(s):   # [S, M, per_stage, ...] -> [L, M, ...]: the real layers
-            # in order (only the last stages end in padding, whose stats are dropped)
-            return s.swapaxes(1, 2).reshape(-1, m, *s.shape[3:])[:stack.n]
+        def in_layer_order(s):   # [S, V, M, c, ...] -> [L, M, ...]: layer (v S + s) c + i
+            # in order (only the last chunks end in padding, whose stats are dropped)
+            s = s.transpose(1, 0, 3, 2, *range(4, s.ndim))
+            return s.reshape(-1, m, *s.shape[4:])[:stack.n]
 
         def in_batch_order(s):   # [L, M, b, ...] -> [L, B, ...]: the batch's rows
             return s.swapaxes(1, 2).reshape(stack.n, -1, *s.shape[3:])
@@ -118,42 +130,57 @@ class PipelineRunner(StackRunner):
     def _ticks(self, stack: Stack, xm, blocks, axis, per_stage):
         """One stage's side of the schedule (inside ``shard_map``, manual over ``axis``):
         (the last stage's outputs [M, b, ...] on every stage, this stage's stats
-        [1, M, L/S, b, ...])."""
-        m, s_count = self.microbatches, self.stages
-        stage = jax.lax.axis_index(axis)
-        local = stack._replace(state=_one_stage(stack.state, blocks, per_stage), start=0,
-                               n=per_stage)
-        to_right = [(i, i + 1) for i in range(s_count - 1)]
-        varying = lambda a: jax.lax.pcast(a, tuple(axis), to="varying")
+        [1, V, M, c, b, ...]).
 
-        def run_stage(x):
+        Work item i = r M + k is microbatch k's pass through this stage's chunk r (its
+        repeat); stage s runs item t - s at tick t, V M + S - 1 ticks in all. Circular
+        (V > 1): what the last stage sends on wraps around to stage 0, which keeps it
+        until its next repeat (M >= S ticks later)."""
+        m, s_count, v = self.microbatches, self.stages, self.repeats
+        chunk, axis = per_stage // v, tuple(axis)
+        stage = jax.lax.axis_index(axis)
+        pairs = [(i, (i + 1) % s_count) for i in range(s_count if v > 1 else s_count - 1)]
+        varying = lambda a: jax.lax.pcast(a, axis, to="varying")
+
+        def run_chunk(x, r):
+            weights = blocks if v == 1 else [jax.lax.dynamic_slice_in_dim(b, r * chunk, chunk)
+                                             for b in blocks]
+            local = stack._replace(state=_one_stage(stack.state, weights, chunk), start=0,
+                                   n=chunk)
             return self.inner(local, x)
 
         # Varying from here: the input's gradient is summed over the stages once, not
         # at every tick.
         xm = varying(xm)
-        _, stats_shape = jax.eval_shape(run_stage, xm[0])
+        _, stats_shape = jax.eval_shape(run_chunk, xm[0], 0)
         outs = jnp.zeros_like(xm)
-        stats = jax.tree.map(lambda a: varying(jnp.zeros((m, *a.shape), a.dtype)), stats_shape)
+        stats = jax.tree.map(lambda a: varying(jnp.zeros((v * m, *a.shape), a.dtype)),
+                             stats_shape)
+        at = lambda buf, i: jax.lax.dynamic_index_in_dim(buf, i, 0, keepdims=False)
+        keep = lambda buf, new, ok, i: jax.lax.dynamic_update_index_in_dim(
+            buf, jnp.where(ok, new, at(buf, i)), i, 0)
 
         def tick(carry, t):
-            received, outs, stats = carry
-            mine = t - stage                      # the microbatch this stage runs now
-            valid = (mine >= 0) & (mine < m)
-            slot = jnp.clip(mine, 0, m - 1)
-            first = jax.lax.dynamic_index_in_dim(xm, jnp.minimum(t, m - 1), keepdims=False)
-            y, st = run_stage(jnp.where(stage == 0, first, received))
-            keep = lambda buf, new: jax.lax.dynamic_update_index_in_dim(
-                buf, jnp.where(valid, new, jax.lax.dynamic_index_in_dim(buf, slot, 0, False)),
-                slot, 0)
-            outs = keep(outs, y)
-            stats = jax.tree.map(keep, stats, st)
-            return (jax.lax.ppermute(y, tuple(axis), to_right), outs, stats), None
+            received, around, outs, stats = carry
+            item = t - stage
+            valid = (item >= 0) & (item < v * m)
+            item = jnp.clip(item, 0, v * m - 1)
+            repeat, k = item // m, item % m
+            fresh = at(xm, k)
+            if v > 1:   # stage 0 keeps the item the last stage ran a tick ago for its repeat
+                back = t - s_count
+                around = keep(around, received, (stage == 0) & (back >= 0)
+                              & (back < (v - 1) * m), jnp.clip(back, 0, v * m - 1) % m)
+                fresh = jnp.where(repeat == 0, fresh, at(around, k))
+            y, st = run_chunk(jnp.where(stage == 0, fresh, received), repeat)
+            outs = keep(outs, y, valid & (repeat == v - 1), k)
+            stats = jax.tree.map(lambda buf, new: keep(buf, new, valid, item), stats, st)
+            return (jax.lax.ppermute(y, axis, pairs), around, outs, stats), None
 
-        start = (jnp.zeros_like(xm[0]), outs, stats)
-        (_, outs, stats), _ = jax.lax.scan(tick, start, jnp.arange(m + s_count - 1))
-        last = jax.lax.psum(jnp.where(stage == s_count - 1, outs, 0), tuple(axis))
-        return last, jax.tree.map(lambda a: a[None], stats)
+        start = (jnp.zeros_like(xm[0]), jnp.zeros_like(xm) if v > 1 else None, outs, stats)
+        (_, _, outs, stats), _ = jax.lax.scan(tick, start, jnp.arange(v * m + s_count - 1))
+        last = jax.lax.psum(jnp.where(stage == s_count - 1, outs, 0), axis)
+        return last, jax.tree.map(lambda a: a.reshape(v, m, *a.shape[1:])[None], stats)
 
 
 def over_stages(fn, mesh: jax.sharding.Mesh, rules) -> Callable:
@@ -200,5 +227,5 @@ def _one_stage(state, blocks, layers: int):
     is_var = lambda v: isinstance(v, nnx.Variable)
     variables = jax.tree.leaves(state, is_leaf=is_var)
     return jax.tree.structure(state, is_leaf=is_var).unflatten(
-        [v.replace(b, out_sharding=logical_axes_of(v)[1:], real_layers=layers)
+        [v.replace(b, out_sharding=logical_axes_of(v)[1:], real_layers=layers, repeats=1)
          for v, b in zip(variables, blocks)])

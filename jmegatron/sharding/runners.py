@@ -34,14 +34,13 @@ from typing import Callable, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from jmegatron.sharding.prefetch import run_prefetched
 from jmegatron.sharding.rules import (LAYERS, active_mesh_and_rules, logical_axes_of,
                                      only_batch_axes_live, run_constrained, run_gathered)
 from jmegatron.sharding.scatter import run_stack
-from jmegatron.sharding.stacks import StackShape, stack_shape
+from jmegatron.sharding.stacks import StackShape, stack_of
 
 # One layer: (x, its weights' state) -> (x, stats per example [B, ...]).
 LayerFn = Callable[[jax.Array, nnx.State], tuple[jax.Array, dict]]
@@ -67,10 +66,7 @@ class Stack(NamedTuple):
     def shape(self) -> StackShape | None:
         """Where the layers sit in a stack [*dims, ...] (None: [L, ...]), from what its
         weights declare (``real_layers``, their logical axes)."""
-        first = jax.tree.leaves(self.state, is_leaf=_is_variable)[0]
-        layers = first.get_metadata().get("real_layers") if _is_variable(first) else None
-        return None if layers is None else stack_shape(logical_axes_of(first), first.shape,
-                                                       layers)
+        return stack_of(jax.tree.leaves(self.state, is_leaf=_is_variable)[0])
 
     @property
     def staged(self) -> bool:
@@ -104,12 +100,8 @@ class StackRunner:
     def __call__(self, stack: Stack, x: jax.Array) -> tuple[jax.Array, dict]:
         """x through ``stack``'s layers start..start+n: (x, stats [n, ...])."""
         leaves = stack.leaves
-        if stack.staged:   # [S, ...] on one device: every slot in turn (zero padding layers
-            # are the identity: gpt.stack_layers), then the real layers' stats
-            depth = len(stack.shape.dims)
-            x, stats = stack.scan(x, [leaf.reshape(-1, *leaf.shape[depth:]) for leaf in leaves])
-            real = np.flatnonzero(stack.shape.real())
-            return x, jax.tree.map(lambda a: a[real], stats)
+        if stack.staged:   # [S, ...] on one device: the layers in order, padding dropped
+            return stack.scan(x, [stack.shape.to_canonical(leaf) for leaf in leaves])
         self.check(stack)
         if not stack.whole:
             leaves = [leaf[stack.start:stack.start + stack.n] for leaf in leaves]

@@ -6,6 +6,10 @@
                     the last padded
   [S, G, g, ...]    both: each stage's ceil(L / S) layers in owner groups, each
                     stage padded to G * g slots
+  [S, V * c, ...]   circular pipeline stages of V repeats: S * V chunks of
+                    c = ceil(L / (S * V)) layers, chunk j on stage j % S as its
+                    repeat j // S (stage s holds chunks s, S + s, 2S + s, ...);
+                    the last chunks padded
 
 Padding slots hold zero layers. The model builds its stacks with ``to_live``,
 the codec between live and canonical (checkpoint) form uses both directions,
@@ -21,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jmegatron.sharding.rules import LAYER_GROUPS, STAGES
+from jmegatron.sharding.rules import LAYER_GROUPS, STAGES, logical_axes_of
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,11 +37,14 @@ class StackShape:
     layers: int
     dims: tuple[int, ...]
     staged: bool = False
+    repeats: int = 1    # V chunks per stage, interleaved (circular pipelines)
 
     @property
     def per_stage(self) -> int:
-        """Real layers a full stage holds (all L without stages)."""
-        return -(-self.layers // self.dims[0]) if self.staged else self.layers
+        """Layer slots a stage fills (all L without stages; V * c when circular)."""
+        if not self.staged:
+            return self.layers
+        return self.repeats * -(-self.layers // (self.dims[0] * self.repeats))
 
     @property
     def slots(self) -> int:
@@ -51,8 +58,9 @@ class StackShape:
         pad = lambda a, dim, length: xp.pad(a, [(0, 0)] * dim + [(0, length - a.shape[dim])]
                                             + [(0, 0)] * (a.ndim - dim - 1))
         if self.staged:
-            stages, per = self.dims[0], self.per_stage
-            x = pad(x, 0, stages * per).reshape(stages, per, *rest)
+            stages, per, v = self.dims[0], self.per_stage, self.repeats
+            x = pad(x, 0, stages * per).reshape(v, stages, per // v, *rest)   # chunks
+            x = xp.swapaxes(x, 0, 1).reshape(stages, per, *rest)
             return pad(x, 1, self.slots).reshape(*self.dims, *rest)
         return pad(x, 0, self.slots).reshape(*self.dims, *rest)
 
@@ -60,7 +68,9 @@ class StackShape:
         """[*dims, ...] -> [L, ...], the padding dropped."""
         rest = x.shape[len(self.dims):]
         if self.staged:
-            x = x.reshape(self.dims[0], self.slots, *rest)[:, :self.per_stage]
+            stages, per, v = self.dims[0], self.per_stage, self.repeats
+            x = x.reshape(stages, self.slots, *rest)[:, :per]
+            x = x.reshape(stages, v, per // v, *rest).swapaxes(0, 1)
         return x.reshape(-1, *rest)[:self.layers]
 
     def layer_at(self) -> np.ndarray:
@@ -80,9 +90,20 @@ class StackShape:
         return self.real().reshape(self.dims[0] if self.staged else 1, -1).sum(axis=1)
 
 
-def stack_shape(logical, shape, layers: int) -> StackShape:
+def stack_shape(logical, shape, layers: int, repeats: int = 1) -> StackShape:
     """The ``StackShape`` of a stacked weight of ``layers`` real layers whose leading
     dims carry the logical axes ``stages``, ``layer_groups`` (either or both) and
-    ``layers``."""
+    ``layers``; ``repeats``: V chunks per stage of a circular pipeline."""
     depth = 1 + sum(a in (STAGES, LAYER_GROUPS) for a in logical[:2])
-    return StackShape(layers, tuple(shape[:depth]), logical[0] == STAGES)
+    return StackShape(layers, tuple(shape[:depth]), logical[0] == STAGES, repeats)
+
+
+def stack_of(var) -> StackShape | None:
+    """The ``StackShape`` a stacked variable declares (its ``real_layers`` and
+    ``repeats`` metadata, its logical axes and shape); None for a plain [L, ...] or
+    unstacked one."""
+    meta = var.get_metadata() if hasattr(var, "get_metadata") else {}
+    if meta.get("real_layers") is None:
+        return None
+    return stack_shape(logical_axes_of(var), var.shape, meta["real_layers"],
+                       meta.get("repeats", 1))

@@ -270,6 +270,24 @@ class NorDion2Config:
 
 
 @dataclasses.dataclass(frozen=True)
+class PipelineConfig:
+    """How the pipeline stages (--mesh.stage S) run the M microbatches."""
+
+    schedule: Literal["gpipe", "circular"] = "gpipe"
+    """gpipe: S contiguous stages, all forward then all backward, bubble
+    (S-1)/(M+S-1); circular: each stage holds --pipeline.repeats V interleaved chunks
+    of layers and every microbatch goes around the stages V times, bubble
+    (S-1)/(V M+S-1) (needs M >= S)."""
+    repeats: int = 1
+    """Chunks of layers per stage V (circular: >= 2; gpipe: 1)."""
+
+    def __post_init__(self):
+        require("pipeline.repeats", self.repeats,
+                self.repeats >= 2 if self.schedule == "circular" else self.repeats == 1,
+                ">= 2 with --pipeline.schedule circular, 1 with gpipe")
+
+
+@dataclasses.dataclass(frozen=True)
 class CheckpointConfig:
     """When and how many checkpoints are written."""
 
@@ -337,6 +355,7 @@ class TrainConfig:
     """layerwise: which data rank owns each matrix: round_robin (continuing from one
     stack to the next) or balanced (heaviest stacks first, evening the per-rank
     Newton-Schulz load where the ranks do not divide a stack)."""
+    pipeline: PipelineConfig = PipelineConfig()
     data: DataConfig = DataConfig()
     optim: str = "muon"
     """A matrix optimizer for hidden matrices and AdamW for the rest (muon, muon_bp, soap, mop,

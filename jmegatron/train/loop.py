@@ -102,7 +102,8 @@ def plan_run(cfg: TrainConfig) -> Plan:
     if cfg.top_k > cfg.model.vocab_size:
         raise ValueError(f"--top-k {cfg.top_k}: must be at most the vocabulary "
                          f"(model.vocab_size={cfg.model.vocab_size})")
-    layout = make_layout(cfg.layout, mesh.sizes(), assignment=cfg.assignment)
+    layout = make_layout(cfg.layout, mesh.sizes(), assignment=cfg.assignment,
+                         repeats=cfg.pipeline.repeats)
     if layout.stages > 1 and cfg.microbatches < layout.stages:
         raise ValueError(f"--mesh.stage {layout.stages} needs --microbatches >= "
                          f"{layout.stages} (got {cfg.microbatches}): every stage would idle")
@@ -393,9 +394,11 @@ class Run:
             per_stage = (f"{-(-cfg.n_layers // stages)} layers" if len(stacks) == 1 else
                          " + ".join(f"{-(-n // stages)} {kind}" for n, kind in stacks)
                          + " layers (a pipeline per stack)")
-            t.log(f"pipeline: {stages} stages of {per_stage}, gpipe over {micro} "
-                  f"microbatches: {micro + stages - 1} ticks per pass, bubble "
-                  f"(S-1)/(M+S-1) = {bubble(stages, micro):.1%}")
+            v = t.layout.repeats
+            schedule = (f"circular in {v} chunks a stage" if v > 1 else "gpipe")
+            t.log(f"pipeline: {stages} stages of {per_stage}, {schedule} over {micro} "
+                  f"microbatches: {v * micro + stages - 1} ticks per pass, bubble "
+                  f"(S-1)/({'V ' if v > 1 else ''}M+S-1) = {bubble(stages, micro, v):.1%}")
         warmup = t.cfg.schedule.warmup_steps
         if warmup > t.cfg.steps:
             t.log(f"note: --schedule.warmup-steps {warmup} is longer than the run (--steps "
