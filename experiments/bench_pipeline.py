@@ -1,16 +1,17 @@
 """Pipeline schedules side by side: step time, bubble, traffic between stages, memory.
 
     python -m experiments.bench_pipeline [--small] [--stages 2 4] [--per-stage 1 2 4]
-                                         [--optim adamw] [--out PATH]
+                                         [--repeats 1 2] [--optim adamw] [--out PATH]
 
 On 8 devices, a GPT of 8 layers (D = 512; 256 with --small) with AdamW (or
 --optim's optimizer; Muon under fsdp orthogonalizes every matrix on every rank,
 so its step shrinks with the stages and hides the pipeline's own cost) under
 the fsdp layout: the baseline without a pipeline on fsdp 8, then for each S
 stages (stage S x fsdp 8/S) and M = k * S microbatches (k of --per-stage) each
-schedule: the train step's time and its ratio to the baseline's; the bubble
-as modelled, (S - 1) / (M + S - 1), and as compiled (T ticks, the trip count
-of the loop that sends the activations on: (T - M) / T); the bytes per device
+schedule (gpipe, and circular with V chunks a stage for each V of --repeats
+above 1): the train step's time and its ratio to the baseline's; the bubble as
+modelled, (S - 1) / (V M + S - 1), and as compiled (T ticks, the trip count of
+the loop that sends the activations on: (T - V M) / T); the bytes per device
 the collective-permutes across ``stage`` move per step, and everything else
 that crosses it; and the train step's temporaries per device (XLA's memory
 analysis). An idle stage's tick computes on zeros, so the devices' work together
@@ -32,7 +33,7 @@ from experiments.bench_common import argv, best_time, print_table, write_results
 from jmegatron.models import GPT, GPTConfig
 from jmegatron.sharding import MeshConfig, hlo_collectives, make_mesh
 from jmegatron.sharding.layouts import make_layout
-from jmegatron.sharding.pipeline import SCHEDULES, bubble
+from jmegatron.sharding.pipeline import bubble
 from jmegatron.train import TrainConfig, create_train_state
 from jmegatron.train.optimizer import make_optimizer
 from jmegatron.train.registry import optimizer_names
@@ -47,11 +48,12 @@ def model_config(small: bool) -> GPTConfig:
                      d_ff=3 * d).pad_vocab(1)
 
 
-def measure(model: GPTConfig, stages: int, microbatches: int, schedule: str,
+def measure(model: GPTConfig, stages: int, microbatches: int, repeats: int,
             optim: str) -> dict:
-    """One row: the train step of ``model`` on stage S x fsdp 8/S (S = 1: no pipeline)."""
+    """One row: the train step of ``model`` on stage S x fsdp 8/S (S = 1: no pipeline),
+    ``repeats`` chunks a stage (2 and more: circular)."""
     mesh = make_mesh(MeshConfig(stage=stages, data=1, fsdp=8 // stages))
-    layout = make_layout("fsdp", mesh.shape)
+    layout = make_layout("fsdp", mesh.shape, repeats=repeats)
     cfg = dataclasses.replace(model, **layout.stack_fields)
     make_model = lambda: GPT(cfg, nnx.Rngs(0))
     optimizer = make_optimizer(TrainConfig(optim=optim), nnx.split(nnx.eval_shape(make_model))[1], mesh,
@@ -74,10 +76,12 @@ def measure(model: GPTConfig, stages: int, microbatches: int, schedule: str,
         holder[0], metrics = step(holder[0], tokens)
         return metrics["loss"]
 
-    return {"schedule": schedule if stages > 1 else "none", "stages": stages,
-            "microbatches": microbatches, "step_ms": 1e3 * best_time(one_step, 2),
-            "bubble_model": bubble(stages, microbatches) if stages > 1 else 0.0,
-            "ticks": ticks, "bubble_hlo": (ticks - microbatches) / ticks if ticks else 0.0,
+    schedule = "none" if stages == 1 else "gpipe" if repeats == 1 else f"circular V={repeats}"
+    return {"schedule": schedule, "stages": stages, "microbatches": microbatches,
+            "step_ms": 1e3 * best_time(one_step, 2),
+            "bubble_model": bubble(stages, microbatches, repeats) if stages > 1 else 0.0,
+            "ticks": ticks,
+            "bubble_hlo": (ticks - repeats * microbatches) / ticks if ticks else 0.0,
             "permute_bytes_per_device": moved(permutes),
             "other_stage_bytes_per_device": moved([c for c in crossing if c not in permutes]),
             "temp_bytes_per_device": temp}
@@ -90,6 +94,8 @@ def parser() -> argparse.ArgumentParser:
     parser.add_argument("--stages", type=int, nargs="+", default=[2, 4], choices=[2, 4, 8])
     parser.add_argument("--per-stage", type=int, nargs="+", default=[1, 2, 4],
                         help="microbatches per stage k: M = k * S")
+    parser.add_argument("--repeats", type=int, nargs="+", default=[1, 2],
+                        help="chunks a stage V: 1 is gpipe, 2 and more circular")
     parser.add_argument("--optim", default="adamw", choices=optimizer_names())
     parser.add_argument("--out", default=None)
     return parser
@@ -99,8 +105,8 @@ def main(args_list: list[str] | None = None) -> list[dict]:
     args = parser().parse_args(args_list)
     jax.config.update("jax_num_cpu_devices", 8)
     model = model_config(args.small)
-    rows = [measure(model, 1, 1, "none", args.optim)]
-    rows += [measure(model, s, k * s, schedule, args.optim) for schedule in SCHEDULES
+    rows = [measure(model, 1, 1, 1, args.optim)]
+    rows += [measure(model, s, k * s, v, args.optim) for v in args.repeats
              for s in args.stages for k in args.per_stage]
     for r in rows:
         r["step_vs_none"] = r["step_ms"] / rows[0]["step_ms"]
