@@ -1,5 +1,5 @@
 """Pipeline stages: a layer stack split over the ``stage`` mesh axis, microbatches
-passed from stage to stage.
+passed from stage to stage (``gpipe``, or ``circular`` with V chunks a stage).
 
 A stack stored [S, L/S, ...] with its first dim split over the mesh axes the
 rules map ``stages`` to holds stage s's layers on the devices of stage s. The
@@ -11,16 +11,29 @@ the S - 1 ticks where it has none: the bubble, (S - 1) / (M + S - 1) of the
 step. The backward is the transpose, the same ticks in reverse, so GPipe's
 "all forward, then all backward", with each layer's remat as configured.
 
+The ``circular`` schedule (MaxText's; the interleaving of Narayanan et al.,
+2021) stores a stack [S, V c, ...] as S V chunks of c layers, chunk j on stage
+j % S (``sharding.stacks``): each microbatch goes around the stages V times,
+the last stage's output wrapping around to stage 0 by the same ring of
+permutes, where it waits for its next repeat (M >= S). V M + S - 1 ticks of c
+layers: the bubble shrinks to (S - 1) / (V M + S - 1).
+
 The embedding, the head and the loss run outside the pipeline, on every stage
 (the stage axis splits no activation): stage 0 reads the microbatches from the
 replicated input, and the last stage's outputs reach every stage by one
 all-reduce over the stage axis (its transpose is free; the input's gradient
 comes back by one all-reduce). Their weights' gradients then need no sum over
-stages. The price is the head's matmuls run S times (XLA may instead split
-that replicated work over the idle stage axis itself: then a few collectives of
-the embedding's and head's sizes cross it, once per step, outside the tick
-loops); Megatron puts the embedding on the first stage and the head on the
-last, which an SPMD program can only approximate by masking.
+stages. The price is the head's matmuls run S times; the loss function runs
+manual over the stages (``over_stages``), so XLA cannot split that replicated
+work over the idle stage axis. Megatron puts the embedding on the first stage
+and the head on the last, which an SPMD program can only approximate by
+masking.
+
+References:
+  Huang et al., "GPipe: Efficient Training of Giant Neural Networks using
+    Pipeline Parallelism", arXiv:1811.06965, 2019.
+  Narayanan et al., "Efficient Large-Scale Language Model Training on GPU
+    Clusters Using Megatron-LM", arXiv:2104.04473, 2021.
 """
 
 from __future__ import annotations
