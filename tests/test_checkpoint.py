@@ -20,7 +20,7 @@ import pytest
 import helpers
 from jmegatron.models import GPTConfig
 from jmegatron.sharding import MeshConfig, make_mesh
-from jmegatron.train import ScheduleConfig, TrainConfig, Trainer
+from jmegatron.train import PipelineConfig, ScheduleConfig, TrainConfig, Trainer
 from jmegatron.train.config import MuonBPConfig
 from jmegatron.train.checkpoint import Checkpointer, CheckpointDamaged, CheckpointError, LeafCodec
 
@@ -30,11 +30,13 @@ TRAIN = TrainConfig(steps=10)
 
 
 @functools.cache   # a setup is the source of some cases and the target of others
-def setup(mesh_config, layout, devices=8, model=MODEL, optim="muon"):
+def setup(mesh_config, layout, devices=8, repeats=1, model=MODEL, optim="muon"):
+    """``repeats`` > 1: a circular pipeline's interleaved stacks [S, V c, ...]."""
     mesh = make_mesh(mesh_config, jax.devices()[:devices])
     model = model.pad_vocab(mesh.shape["tensor"])   # 384 at tensor 2, 512 at tensor 4
-    lay, optimizer, _, state = helpers.build(mesh, layout, model,
-                                             dataclasses.replace(TRAIN, optim=optim))
+    pipeline = PipelineConfig("circular", repeats) if repeats > 1 else PipelineConfig()
+    lay, optimizer, _, state = helpers.build(mesh, layout, model, dataclasses.replace(
+        TRAIN, optim=optim, pipeline=pipeline))
     cfg, codecs = helpers.codecs_for(model, lay, optimizer, state)
     return cfg, state, codecs
 
@@ -55,7 +57,7 @@ T4 = MeshConfig(fsdp=2, tensor=4)
 L8 = MeshConfig(data=2, fsdp=4)
 F8 = MeshConfig(fsdp=8)     # owner: 4 layers in one group of 8, half of it padding
 S2, S4 = MeshConfig(stage=2, data=2, fsdp=2), MeshConfig(stage=4, fsdp=2)
-CASES = {   # name: (source mesh, layout, devices), (target mesh, layout, devices)
+CASES = {   # name: (source mesh, layout, devices[, repeats]), (target ...)[, optimizer]
     "8_to_4_devices": ((D8, "fsdp", 8), (D4, "fsdp", 4)),
     "4_to_8_devices": ((D4, "fsdp", 4), (D8, "fsdp", 8)),
     "tensor_2_to_4": ((D8, "fsdp", 8), (T4, "fsdp", 8)),
@@ -73,6 +75,9 @@ CASES = {   # name: (source mesh, layout, devices), (target mesh, layout, device
     "soap_stage_4_to_owner": ((S4, "fsdp", 8), (L8, "owner", 8), "soap"),
     "soap_layerwise_to_stage_2": ((L8, "layerwise", 8), (S2, "fsdp", 8), "soap"),
     "soap_owner_stage_2_to_owner_stage_4": ((S2, "owner", 8), (S4, "owner", 8), "soap"),
+    # Circular stages [S, V c, ...]: chunk j on stage j % S.
+    "circular_stage_2_to_stage_4": ((S2, "layerwise", 8, 2), (S4, "fsdp", 8)),
+    "stage_1_to_circular_stage_2": ((D8, "fsdp", 8), (S2, "fsdp", 8, 2)),
     # The communication-reduced optimizers: Muon's state, Dion2's error-feedback momentum.
     "muon_bp_fsdp_to_owner": ((D8, "fsdp", 8), (L8, "owner", 8), "muon_bp"),
     "dion2_layerwise_to_fsdp": ((L8, "layerwise", 8), (D8, "fsdp", 8), "dion2"),
@@ -81,14 +86,14 @@ CASES = {   # name: (source mesh, layout, devices), (target mesh, layout, device
 
 @pytest.mark.parametrize("case", CASES)
 def test_restore_onto_another_mesh_or_layout(case, tmp_path):
-    (src_mesh, src_layout, src_n), (dst_mesh, dst_layout, dst_n), *optim = CASES[case]
+    source, target, *optim = CASES[case]
     optim = optim[0] if optim else "muon"
-    cfg, state, codecs = setup(src_mesh, src_layout, src_n, optim=optim)
+    cfg, state, codecs = setup(*source, optim=optim)
     state = helpers.randomized(state)
     saver = Checkpointer(tmp_path)
-    saver.save(7, state, codecs, {"layout": src_layout})
+    saver.save(7, state, codecs, {"layout": source[1]})
     saver.close()
-    target_cfg, target, target_codecs = setup(dst_mesh, dst_layout, dst_n, optim=optim)
+    target_cfg, target, target_codecs = setup(*target, optim=optim)
     restored, meta = Checkpointer(tmp_path).restore(7, abstract(target), target_codecs)
     assert meta["step"] == 7
     want = canonical(cfg, state, codecs)
