@@ -94,7 +94,6 @@ class Layout:
         if self.stages == 1:
             return inner
         return PipelineRunner(stages=self.stages, microbatches=microbatches, inner=inner,
-                              schedule="circular" if self.repeats > 1 else "gpipe",
                               repeats=self.repeats)
 
     def stage_runner(self, prefetch: bool, keep_gathered: bool) -> StackRunner:

@@ -52,9 +52,6 @@ from jmegatron.sharding.rules import (ACT_EMBED, BATCH, SEQ, STAGES, active_mesh
 from jmegatron.sharding.runners import ScanRunner, Stack, StackRunner
 from jmegatron.sharding.stacks import StackShape
 
-SCHEDULES = ("gpipe", "circular")
-
-
 def bubble(stages: int, microbatches: int, repeats: int = 1) -> float:
     """The idle fraction of a step, (S - 1) / (V M + S - 1): GPipe's with V = 1."""
     return (stages - 1) / (repeats * microbatches + stages - 1)
@@ -63,22 +60,19 @@ def bubble(stages: int, microbatches: int, repeats: int = 1) -> float:
 @dataclasses.dataclass(frozen=True)
 class PipelineRunner(StackRunner):
     """Runs a stack [S, L/S, ...] as ``stages`` pipeline stages over ``microbatches``
-    (module docstring): ``gpipe``, or ``circular`` with ``repeats`` chunks a stage;
-    each chunk's layers by ``inner``."""
+    (module docstring): ``gpipe``, or ``circular`` with ``repeats`` > 1 chunks a
+    stage; each chunk's layers by ``inner``."""
 
     stages: int = 2
     microbatches: int = 2
     inner: StackRunner = ScanRunner()
-    schedule: str = "gpipe"
     repeats: int = 1
 
+    @property
+    def schedule(self) -> str:
+        return "circular" if self.repeats > 1 else "gpipe"
+
     def __post_init__(self):
-        if self.schedule not in SCHEDULES:
-            raise ValueError(f"unknown pipeline schedule {self.schedule!r}; choose one of "
-                             f"{SCHEDULES}")
-        if (self.repeats > 1) != (self.schedule == "circular"):
-            raise ValueError(f"the {self.schedule} schedule with {self.repeats} chunks a stage: "
-                             "circular takes repeats >= 2, gpipe 1")
         if self.microbatches < self.stages:
             raise ValueError(f"{self.microbatches} microbatches for {self.stages} pipeline "
                              f"stages: every stage would idle; use --microbatches "

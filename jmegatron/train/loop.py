@@ -394,8 +394,8 @@ class Run:
             per_stage = (f"{-(-cfg.n_layers // stages)} layers" if len(stacks) == 1 else
                          " + ".join(f"{-(-n // stages)} {kind}" for n, kind in stacks)
                          + " layers (a pipeline per stack)")
-            v = t.layout.repeats
-            schedule = (f"circular in {v} chunks a stage" if v > 1 else "gpipe")
+            v = t.cfg.pipeline.repeats
+            schedule = f"circular in {v} chunks a stage" if v > 1 else "gpipe"
             t.log(f"pipeline: {stages} stages of {per_stage}, {schedule} over {micro} "
                   f"microbatches: {v * micro + stages - 1} ticks per pass, bubble "
                   f"(S-1)/({'V ' if v > 1 else ''}M+S-1) = {bubble(stages, micro, v):.1%}")
