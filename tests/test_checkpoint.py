@@ -78,6 +78,7 @@ CASES = {   # name: (source mesh, layout, devices[, repeats]), (target ...)[, op
     # Circular stages [S, V c, ...]: chunk j on stage j % S.
     "circular_stage_2_to_stage_4": ((S2, "layerwise", 8, 2), (S4, "fsdp", 8)),
     "stage_1_to_circular_stage_2": ((D8, "fsdp", 8), (S2, "fsdp", 8, 2)),
+    "circular_owner_to_owner_stage_4": ((S2, "owner", 8, 2), (S4, "owner", 8)),
     # The communication-reduced optimizers: Muon's state, Dion2's error-feedback momentum.
     "muon_bp_fsdp_to_owner": ((D8, "fsdp", 8), (L8, "owner", 8), "muon_bp"),
     "dion2_layerwise_to_fsdp": ((L8, "layerwise", 8), (D8, "fsdp", 8), "dion2"),

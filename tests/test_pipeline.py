@@ -266,12 +266,16 @@ def test_layerwise_stages_move_matrices_only_within_a_stage():
                                       for c in report.collectives), report.table()
 
 
-@pytest.mark.parametrize("optim", ["muon", "soap"])
-def test_owner_stages_optimizer_step_has_no_collective(optim):
+@pytest.mark.parametrize("optim, pipeline", [
+    ("muon", PipelineConfig()), ("soap", PipelineConfig()),
+    ("muon", PipelineConfig("circular", repeats=2))], ids=["muon", "soap", "muon_circular"])
+def test_owner_stages_optimizer_step_has_no_collective(optim, pipeline):
     """Under owner each stage's matrices are whole on the ranks of that stage's own
-    fsdp group: Muon's and SOAP's step communicate nothing at all."""
+    fsdp group (circular: each of its chunks in groups of its own): Muon's and SOAP's
+    step communicate nothing at all."""
     mesh = make_mesh(MeshConfig(stage=2, fsdp=4))
-    report = optimizer_report(mesh, dataclasses.replace(TRAIN, optim=optim), layout="owner")
+    train = dataclasses.replace(TRAIN, optim=optim, pipeline=pipeline)
+    report = optimizer_report(mesh, train, layout="owner")
     assert report.collectives == (), report.table()
 
 
@@ -285,18 +289,20 @@ def nine_layer_reference():
 
 
 @pytest.mark.parametrize("mesh_config, layout, model, reference", [
-    (MeshConfig(stage=2, fsdp=2, tensor=2), "fsdp", PADDED, "padded_reference"),
+    (MeshConfig(stage=2, fsdp=2, tensor=2), "owner", PADDED, "padded_reference"),
     (MeshConfig(stage=4, data=2, fsdp=1), "layerwise", dataclasses.replace(MODEL, n_layers=9),
      "nine_layer_reference"),
     (MeshConfig(stage=2, data=2, fsdp=1, expert=2), "fsdp", MOE_MODEL, "moe_reference"),
     (MeshConfig(stage=2, fsdp=2, tensor=2), "layerwise",
      dataclasses.replace(MOE_MODEL, remat="full"), "moe_reference"),
-], ids=["stage2_fsdp2_tensor2_padded", "stage4_data2_layerwise_padded", "moe_stage2_expert2",
+], ids=["stage2_fsdp2_tensor2_owner_padded", "stage4_data2_layerwise_padded",
+        "moe_stage2_expert2",
         "moe_stage2_fsdp2_tensor2_layerwise_remat"])
 def test_circular_three_steps_equal_one_device(mesh_config, layout, model, reference, request):
-    """Two chunks a stage, interleaved (stage s holds chunks s and S + s), every chunk
-    padded where S x 2 does not divide a stack: the microbatches go around the stages
-    twice, and the run equals one device."""
+    """Two chunks a stage, interleaved (stage s holds chunks s and S + s; under owner
+    each chunk in its own groups), the last chunks padded where S x 2 does not divide
+    a stack: the microbatches go around the stages twice, and the run equals one
+    device."""
     got = three_steps(mesh_config, layout, model=model, train=CIRCULAR, keep=True)
     chex.assert_trees_all_close(ungroup(got), request.getfixturevalue(reference),
                                 rtol=1e-5, atol=1e-6)
@@ -358,11 +364,9 @@ def test_the_bubble_is_the_schedules_formula():
     (lambda: PipelineRunner(stages=4, microbatches=2), "2 microbatches for 4 pipeline stages"),
     (lambda: GPTConfig(n_layers=4, stages=2, moe=MoEConfig(n_experts=4, every=2)),
      "pipeline stages (2) run each layer stack whole"),
-    (lambda: dataclasses.replace(MODEL, stages=2, repeats=2, layer_group=2),
-     "the circular pipeline (repeats=2) with the owner layout's groups"),
     (lambda: dataclasses.replace(MODEL, stages=2, repeats=3), "2 pipeline stages of 3 chunks"),
     (lambda: PipelineConfig("circular"), "--pipeline.repeats 1: must be >= 2 with"),
-], ids=["more_stages_than_layers", "fewer_microbatches", "interleaved_moe", "circular_owner",
+], ids=["more_stages_than_layers", "fewer_microbatches", "interleaved_moe",
         "more_chunks_than_layers", "circular_without_repeats"])
 def test_unsupported_settings_are_refused_in_one_line(make, words):
     with pytest.raises(Exception, match=None) as err:

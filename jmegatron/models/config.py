@@ -205,10 +205,6 @@ class GPTConfig:
         _require(self.stages * self.repeats <= self.n_layers,
                  f"{self.stages} pipeline stages of {self.repeats} chunks for {self.n_layers} "
                  "layers: use at most one chunk per layer")
-        _require(self.repeats == 1 or self.layer_group == 1,
-                 f"the circular pipeline (repeats={self.repeats}) with the owner layout's groups "
-                 f"(layer_group={self.layer_group}) is not supported yet: use fsdp, replicated "
-                 "or layerwise")
         _require(self.stages == 1 or not self.moe.n_experts or self.moe.every == 1,
                  f"pipeline stages ({self.stages}) run each layer stack whole, so they need "
                  "the dense and MoE layers in two runs (moe.every=1), not "

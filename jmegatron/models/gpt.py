@@ -153,8 +153,9 @@ def split_stack(blocks: nnx.Module, cfg: GPTConfig) -> None:
     if cfg.stages > 1:
         dims, outer = [cfg.stages], [ax.STAGES]
     per_stage = StackShape(layers, (cfg.stages,), True, cfg.repeats).per_stage
-    if cfg.layer_group > 1:
-        dims, outer = dims + [-(-per_stage // cfg.layer_group)], outer + [ax.LAYER_GROUPS]
+    if cfg.layer_group > 1:   # each of a stage's chunks (one without repeats) in groups
+        groups = cfg.repeats * -(-per_stage // cfg.repeats // cfg.layer_group)
+        dims, outer = dims + [groups], outer + [ax.LAYER_GROUPS]
     if dims:
         last = cfg.layer_group if cfg.layer_group > 1 else per_stage
         stack_layers(blocks, StackShape(layers, (*dims, last), cfg.stages > 1, cfg.repeats),

@@ -149,9 +149,10 @@ class PipelineRunner(StackRunner):
         pairs = [(i, (i + 1) % s_count) for i in range(s_count if v > 1 else s_count - 1)]
         varying = lambda a: jax.lax.pcast(a, axis, to="varying")
 
-        def run_chunk(x, r):
-            weights = blocks if v == 1 else [jax.lax.dynamic_slice_in_dim(b, r * chunk, chunk)
-                                             for b in blocks]
+        def run_chunk(x, r):   # each block's dim 0 (layers, or owner groups) in V parts
+            weights = blocks if v == 1 else [
+                jax.lax.dynamic_slice_in_dim(b, r * (b.shape[0] // v), b.shape[0] // v)
+                for b in blocks]
             local = stack._replace(state=_one_stage(stack.state, weights, chunk), start=0,
                                    n=chunk)
             return self.inner(local, x)

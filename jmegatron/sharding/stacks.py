@@ -10,6 +10,7 @@
                     c = ceil(L / (S * V)) layers, chunk j on stage j % S as its
                     repeat j // S (stage s holds chunks s, S + s, 2S + s, ...);
                     the last chunks padded
+  [S, V * Gc, g, ...]  both: each chunk in Gc = ceil(c / g) owner groups
 
 Padding slots hold zero layers. The model builds its stacks with ``to_live``,
 the codec between live and canonical (checkpoint) form uses both directions,
@@ -57,11 +58,10 @@ class StackShape:
         rest = x.shape[1:]
         pad = lambda a, dim, length: xp.pad(a, [(0, 0)] * dim + [(0, length - a.shape[dim])]
                                             + [(0, 0)] * (a.ndim - dim - 1))
-        if self.staged:
+        if self.staged:   # [S, V, c] chunks, each padded to its share of a stage's slots
             stages, per, v = self.dims[0], self.per_stage, self.repeats
-            x = pad(x, 0, stages * per).reshape(v, stages, per // v, *rest)   # chunks
-            x = xp.swapaxes(x, 0, 1).reshape(stages, per, *rest)
-            return pad(x, 1, self.slots).reshape(*self.dims, *rest)
+            x = xp.swapaxes(pad(x, 0, stages * per).reshape(v, stages, per // v, *rest), 0, 1)
+            return pad(x, 2, self.slots // v).reshape(*self.dims, *rest)
         return pad(x, 0, self.slots).reshape(*self.dims, *rest)
 
     def to_canonical(self, x: jax.Array) -> jax.Array:
@@ -69,8 +69,7 @@ class StackShape:
         rest = x.shape[len(self.dims):]
         if self.staged:
             stages, per, v = self.dims[0], self.per_stage, self.repeats
-            x = x.reshape(stages, self.slots, *rest)[:, :per]
-            x = x.reshape(stages, v, per // v, *rest).swapaxes(0, 1)
+            x = x.reshape(stages, v, self.slots // v, *rest)[:, :, :per // v].swapaxes(0, 1)
         return x.reshape(-1, *rest)[:self.layers]
 
     def layer_at(self) -> np.ndarray:
