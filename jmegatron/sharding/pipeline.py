@@ -79,16 +79,6 @@ class PipelineRunner(StackRunner):
                              f">= {self.stages}")
 
     def __call__(self, stack: Stack, x: jax.Array) -> tuple[jax.Array, dict]:
-        active = active_mesh_and_rules()
-        axis = () if active is None else mesh_axes_of(STAGES, active[1])
-        # Inside a map manual over the stages already (the loss's: train.step), each
-        # device holds its own stage's [1, L/S, ...] blocks.
-        inside = bool(axis) and set(axis) <= set(jax.sharding.get_abstract_mesh().manual_axes)
-        leaves = stack.leaves
-        if leaves[0].shape[0] != (1 if inside else self.stages):
-            raise ValueError(f"a pipeline of {self.stages} stages got a stack of "
-                             f"{leaves[0].shape[0]}: build the model with "
-                             f"GPTConfig(stages={self.stages})")
         if stack.shape.repeats != self.repeats:
             raise ValueError(f"a pipeline of {self.repeats} chunks a stage got a stack of "
                              f"{stack.shape.repeats}: build the model with "
@@ -97,27 +87,31 @@ class PipelineRunner(StackRunner):
             raise ValueError(f"a pipeline runs whole stacks, not layers {stack.start}.."
                              f"{stack.start + stack.n - 1} of {stack.shape.layers}: keep each "
                              f"kind of layer in one run (GPTConfig: moe.every=1)")
+        active = active_mesh_and_rules()
         if active is None:   # one device: the stages in turn
             return ScanRunner()(stack, x)
-        mesh, rules = active
+        _, rules = active
+        axis = mesh_axes_of(STAGES, rules)
+        if not set(axis) <= set(jax.sharding.get_abstract_mesh().manual_axes):
+            raise ValueError("a pipeline runs inside a map manual over the stages, each stage "
+                             "on its own blocks: run the model through train.make_loss_fn "
+                             "(sharding.pipeline.over_stages)")
+        leaves = stack.leaves   # this stage's [1, L/S, ...] blocks
+        if leaves[0].shape[0] != 1:
+            raise ValueError(f"a pipeline of {self.stages} stages got a stack split "
+                             f"{leaves[0].shape[0]} to a stage: build the model with "
+                             f"GPTConfig(stages={self.stages})")
         m = self.microbatches
         b = x.shape[0] // m
         # Microbatch k takes rows k, k + M, ...: each device's rows split evenly.
         xm = constrain(x.reshape(b, m, *x.shape[1:]).swapaxes(0, 1),
                        (None, BATCH, SEQ, ACT_EMBED))
-        # Layer slots a stage fills (from the whole stack: inside, dims[0] is 1).
+        # Layer slots a stage fills (from the whole stack: this stage's dims[0] is 1).
         per_stage = StackShape(stack.n, (self.stages,), True, self.repeats).per_stage
-
-        def body(xm, blocks):
-            with activation_sharding(jax.sharding.get_abstract_mesh(), rules):
-                return self._ticks(stack, xm, [blk[0] for blk in blocks], axis, per_stage)
-
-        if inside:   # every stage's stats on every stage: one stats-sized all-reduce
-            y, stats = body(xm, leaves)
-            stats = jax.tree.map(lambda a: _from_every_stage(a, axis, self.stages), stats)
-        else:
-            y, stats = jax.shard_map(body, mesh=mesh, in_specs=(P(), [P(axis)] * len(leaves)),
-                                     out_specs=(P(), P(axis)), axis_names=set(axis))(xm, leaves)
+        with activation_sharding(jax.sharding.get_abstract_mesh(), rules):
+            y, stats = self._ticks(stack, xm, [leaf[0] for leaf in leaves], axis, per_stage)
+        # Every stage's stats on every stage: one stats-sized all-reduce.
+        stats = jax.tree.map(lambda a: _from_every_stage(a, axis, self.stages), stats)
 
         def in_layer_order(s):   # [S, V, M, c, ...] -> [L, M, ...]: layer (v S + s) c + i
             # in order (only the last chunks end in padding, whose stats are dropped)
@@ -135,7 +129,7 @@ class PipelineRunner(StackRunner):
         return y.swapaxes(0, 1).reshape(x.shape), stats
 
     def _ticks(self, stack: Stack, xm, blocks, axis, per_stage):
-        """One stage's side of the schedule (inside ``shard_map``, manual over ``axis``):
+        """One stage's side of the schedule (manual over ``axis``: ``over_stages``):
         (the last stage's outputs [M, b, ...] on every stage, this stage's stats
         [1, V, M, c, b, ...]).
 
