@@ -20,7 +20,7 @@ from jmegatron.train.optimizer import make_optimizer
 def build(mesh, layout_name, model, train):
     """(layout, optimizer, graphdef, state) of ``model`` under a layout, born sharded."""
     layout = make_layout(layout_name, mesh.shape, assignment=train.assignment,
-                         repeats=train.pipeline.repeats)
+                         repeats=train.pipeline.repeats, schedule=train.pipeline.schedule)
     cfg = dataclasses.replace(model, **layout.stack_fields)
     make_model = lambda: GPT(cfg, nnx.Rngs(0))
     abstract = nnx.split(nnx.eval_shape(make_model))[1]

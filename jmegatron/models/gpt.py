@@ -82,16 +82,24 @@ class GPT(nnx.Module):
         Returns:
           The logits, or with ``return_aux`` (logits, ``Aux``).
         """
+        x = self.embed_tokens(tokens)
+        x, aux = self._run_layers(x, jnp.arange(tokens.shape[1]))
+        logits = self.logits_of(x)
+        return (logits, aux) if return_aux else logits
+
+    def embed_tokens(self, tokens: jax.Array) -> jax.Array:
+        """The embeddings [B, T, D] (compute dtype) of tokens [B, T]."""
+        return embed_lookup(self.embed[...].astype(self.cfg.dtype), tokens)
+
+    def logits_of(self, x: jax.Array) -> jax.Array:
+        """The last layer's output [B, T, D] -> logits [B, T, V_padded] in fp32 (the
+        final norm, then the head)."""
         cfg = self.cfg
-        x = embed_lookup(self.embed[...].astype(cfg.dtype), tokens)   # [B, T, D]
-        positions = jnp.arange(tokens.shape[1])
-        x, aux = self._run_layers(x, positions)
         x = rms_norm(x, self.final_norm[...], cfg.norm_eps)
         head = self.embed[...].T if cfg.tie_embeddings else self.head[...]
         logits = jnp.einsum("btd,dv->btv", x, head.astype(cfg.dtype),
                             preferred_element_type=jnp.float32)
-        logits = constrain(logits, (ax.BATCH, ax.SEQ, ax.ACT_VOCAB))
-        return (logits, aux) if return_aux else logits
+        return constrain(logits, (ax.BATCH, ax.SEQ, ax.ACT_VOCAB))
 
     def _run_layers(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, "Aux"]:
         """Dense and MoE layers in model order: each run of consecutive layers of one
@@ -99,8 +107,7 @@ class GPT(nnx.Module):
         start, max_logits, moe_stats = {False: 0, True: 0}, [], []
         for moe, run in itertools.groupby(self.cfg.moe_layers):
             n = len(list(run))
-            x, stats = self._run_stack(self.moe_blocks if moe else self.blocks, moe, x,
-                                       positions, start[moe], n)
+            x, stats = self._run_stack(moe, x, positions, start[moe], n)
             start[moe] += n
             max_logits.append(stats.pop("max_logit"))   # [n, B, N]
             if moe:
@@ -109,12 +116,21 @@ class GPT(nnx.Module):
         # Reduced over the batch last: one (max) all-reduce of [L, N] when it is split.
         return x, Aux(concat(max_logits).max(axis=1), concat(moe_stats) if moe_stats else {})
 
-    def _run_stack(self, stack: nnx.Module, moe: bool, x: jax.Array, positions: jax.Array,
+    def _run_stack(self, moe: bool, x: jax.Array, positions: jax.Array,
                    start: int, n: int):
         """Layers start..start+n of one stack, run by the layout's runner (or this
         model's default one): (x, their stats stacked [n, ...])."""
         cfg = self.cfg
-        graphdef, state = nnx.split(stack)
+        runner = active_runner() or default_runner(cfg.layer_group, cfg.prefetch,
+                                                   cfg.keep_gathered, cfg.stages)
+        return runner(self.layer_stack(moe, positions, start, n), x)
+
+    def layer_stack(self, moe: bool, positions: jax.Array, start: int = 0,
+                    n: int | None = None) -> Stack:
+        """Layers start..start+n (None: to the end) of the MoE or the dense stack, as
+        a runner runs them (``sharding.runners.Stack``)."""
+        cfg = self.cfg
+        graphdef, state = nnx.split(self.moe_blocks if moe else self.blocks)
 
         def one_layer(x, layer_state):
             return nnx.merge(graphdef, layer_state)(x, positions)
@@ -124,10 +140,9 @@ class GPT(nnx.Module):
         # Gradients are summed in the dtype each weight computes in (norm scales: fp32).
         dtypes = tuple(jnp.float32 if ax.NORM in logical_axes_of(v) else cfg.dtype
                        for v in jax.tree.leaves(state, is_leaf=_is_variable))
-        runner = active_runner() or default_runner(cfg.layer_group, cfg.prefetch,
-                                                   cfg.keep_gathered, cfg.stages)
-        return runner(Stack(one_layer, state, start, n, STATS if moe else (), dtypes,
-                            self_sharded=moe), x)
+        layers = cfg.n_layers - cfg.dense_layers if moe else cfg.dense_layers
+        return Stack(one_layer, state, start, layers - start if n is None else n,
+                     STATS if moe else (), dtypes, self_sharded=moe)
 
 
 def _is_variable(v) -> bool:

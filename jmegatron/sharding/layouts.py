@@ -65,6 +65,7 @@ class Layout:
     assignment: str = "round_robin"     # which owner gets which matrix (layerwise)
     stages: int = 1                     # pipeline stages (the mesh axes ``stages`` maps to)
     repeats: int = 1                    # chunks per stage of a circular pipeline
+    schedule: str = "gpipe"             # the pipeline's (sharding.pipeline.SCHEDULES)
 
     @property
     def owners(self) -> int:
@@ -94,7 +95,7 @@ class Layout:
         if self.stages == 1:
             return inner
         return PipelineRunner(stages=self.stages, microbatches=microbatches, inner=inner,
-                              repeats=self.repeats)
+                              repeats=self.repeats, schedule=self.schedule)
 
     def stage_runner(self, prefetch: bool, keep_gathered: bool) -> StackRunner:
         """The runner of one stage's layers (all of them without a pipeline)."""
@@ -181,14 +182,17 @@ class Owner(Layout):
 
 
 def make_layout(name: str, mesh_shape: Mapping[str, int], rules: Rules = DEFAULT_RULES,
-                assignment: str = "round_robin", repeats: int = 1) -> Layout:
+                assignment: str = "round_robin", repeats: int = 1,
+                schedule: str | None = None) -> Layout:
     """The layout ``name`` for a mesh of ``mesh_shape``, built on Megatron's ``rules``;
     under layerwise, matrices are owned by ``assignment`` (round_robin, or
     balanced: see ``jmegatron.optim.owners.stack_offsets``); with pipeline stages,
-    ``repeats`` chunks per stage make the pipeline circular."""
-    if repeats != 1:
+    ``repeats`` chunks per stage make the pipeline circular, and ``schedule`` (None:
+    circular with repeats, else gpipe) may choose 1f1b."""
+    if repeats != 1 or schedule is not None:
         return dataclasses.replace(make_layout(name, mesh_shape, rules, assignment),
-                                   repeats=repeats)
+                                   repeats=repeats,
+                                   schedule=schedule or ("circular" if repeats > 1 else "gpipe"))
     if name not in LAYOUTS:
         raise ValueError(f"unknown layout {name!r}; choose one of {LAYOUTS}")
     if assignment not in ASSIGNMENTS:

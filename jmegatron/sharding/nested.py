@@ -81,3 +81,12 @@ def shard_map(body: Callable, mesh, in_specs: tuple, out_specs) -> Callable:
                          "internals jmegatron's fix does not know: train without --mesh.stage")
     return jax.shard_map(body, mesh=mesh, in_specs=tuple(in_specs), out_specs=out_specs,
                          axis_names=set(mesh.axis_names) - manual)
+
+
+def varying_axes(x) -> frozenset[str]:
+    """The manual mesh axes ``x`` varies over inside a ``shard_map`` (its type's
+    ``vma``; ``manual_axis_type.varying`` on jax 0.10)."""
+    aval = jax.typeof(x)
+    if hasattr(aval, "vma"):
+        return frozenset(aval.vma)
+    return frozenset(aval.manual_axis_type.varying)

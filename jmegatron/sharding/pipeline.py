@@ -52,6 +52,9 @@ from jmegatron.sharding.rules import (ACT_EMBED, BATCH, SEQ, STAGES, active_mesh
 from jmegatron.sharding.runners import ScanRunner, Stack, StackRunner
 from jmegatron.sharding.stacks import StackShape
 
+SCHEDULES = ("gpipe", "circular", "1f1b")
+
+
 def bubble(stages: int, microbatches: int, repeats: int = 1) -> float:
     """The idle fraction of a step, (S - 1) / (V M + S - 1): GPipe's with V = 1."""
     return (stages - 1) / (repeats * microbatches + stages - 1)
@@ -67,18 +70,40 @@ class PipelineRunner(StackRunner):
     microbatches: int = 2
     inner: StackRunner = ScanRunner()
     repeats: int = 1
-
-    @property
-    def schedule(self) -> str:
-        return "circular" if self.repeats > 1 else "gpipe"
+    schedule: str = "gpipe"   # gpipe, circular (repeats > 1) or 1f1b (sharding.pipeline_1f1b)
 
     def __post_init__(self):
         if self.microbatches < self.stages:
             raise ValueError(f"{self.microbatches} microbatches for {self.stages} pipeline "
                              f"stages: every stage would idle; use --microbatches "
                              f">= {self.stages}")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"unknown pipeline schedule {self.schedule!r}; choose one of "
+                             f"{SCHEDULES}")
+        if (self.schedule == "circular") != (self.repeats > 1):
+            raise ValueError(f"the {self.schedule} schedule with {self.repeats} chunks a "
+                             f"stage: circular needs repeats >= 2, the others 1")
 
     def __call__(self, stack: Stack, x: jax.Array) -> tuple[jax.Array, dict]:
+        if self.schedule == "1f1b":
+            raise ValueError("the 1f1b schedule runs the model with its loss, not a stack "
+                             "alone: build the loss with train.make_loss_fn")
+        axis = self.check(stack)
+        if axis is None:   # one device: the stages in turn
+            return ScanRunner()(stack, x)
+        m = self.microbatches
+        b = x.shape[0] // m
+        # Microbatch k takes rows k, k + M, ...: each device's rows split evenly.
+        xm = constrain(x.reshape(b, m, *x.shape[1:]).swapaxes(0, 1),
+                       (None, BATCH, SEQ, ACT_EMBED))
+        _, rules = active_mesh_and_rules()
+        with activation_sharding(jax.sharding.get_abstract_mesh(), rules):
+            y, stats = self._ticks(stack, xm, [leaf[0] for leaf in stack.leaves], axis)
+        return y.swapaxes(0, 1).reshape(x.shape), self.in_model_order(stats, stack, axis)
+
+    def check(self, stack: Stack):
+        """The stage axes this stage runs ``stack`` manual over (None: no mesh, one
+        device); ValueError where ``stack`` or the context does not fit the pipeline."""
         if stack.shape.repeats != self.repeats:
             raise ValueError(f"a pipeline of {self.repeats} chunks a stage got a stack of "
                              f"{stack.shape.repeats}: build the model with "
@@ -88,28 +113,41 @@ class PipelineRunner(StackRunner):
                              f"{stack.start + stack.n - 1} of {stack.shape.layers}: keep each "
                              f"kind of layer in one run (GPTConfig: moe.every=1)")
         active = active_mesh_and_rules()
-        if active is None:   # one device: the stages in turn
-            return ScanRunner()(stack, x)
-        _, rules = active
-        axis = mesh_axes_of(STAGES, rules)
+        if active is None:
+            return None
+        axis = tuple(mesh_axes_of(STAGES, active[1]))
         if not set(axis) <= set(jax.sharding.get_abstract_mesh().manual_axes):
             raise ValueError("a pipeline runs inside a map manual over the stages, each stage "
                              "on its own blocks: run the model through train.make_loss_fn "
                              "(sharding.pipeline.over_stages)")
-        leaves = stack.leaves   # this stage's [1, L/S, ...] blocks
-        if leaves[0].shape[0] != 1:
+        if stack.leaves[0].shape[0] != 1:   # this stage's [1, L/S, ...] blocks
             raise ValueError(f"a pipeline of {self.stages} stages got a stack split "
-                             f"{leaves[0].shape[0]} to a stage: build the model with "
+                             f"{stack.leaves[0].shape[0]} to a stage: build the model with "
                              f"GPTConfig(stages={self.stages})")
+        return axis
+
+    def chunk_size(self, stack: Stack) -> int:
+        """Layer slots of one chunk (a stage's, without repeats; from the whole stack:
+        this stage's dims[0] is 1)."""
+        return StackShape(stack.n, (self.stages,), True, self.repeats).per_stage // self.repeats
+
+    def run_chunk(self, stack: Stack, blocks, x: jax.Array, r=0):
+        """x through this stage's chunk ``r`` of ``blocks`` (its [L/S, ...] or
+        [G, g, ...] weights; each block's dim 0 in V parts) by ``inner``: (y, stats
+        [c, ...])."""
+        v = self.repeats
+        weights = blocks if v == 1 else [
+            jax.lax.dynamic_slice_in_dim(b, r * (b.shape[0] // v), b.shape[0] // v)
+            for b in blocks]
+        chunk = self.chunk_size(stack)
+        local = stack._replace(state=_one_stage(stack.state, weights, chunk), start=0, n=chunk)
+        return self.inner(local, x)
+
+    def in_model_order(self, stats: dict, stack: Stack, axis) -> dict:
+        """This stage's stats [1, V, M, c, ...] -> the stack's [L, ...] (those the
+        layers sum over the batch: their mean over the microbatches, as the train
+        step's accumulation takes it) or [L, B, ...] (per example), on every stage."""
         m = self.microbatches
-        b = x.shape[0] // m
-        # Microbatch k takes rows k, k + M, ...: each device's rows split evenly.
-        xm = constrain(x.reshape(b, m, *x.shape[1:]).swapaxes(0, 1),
-                       (None, BATCH, SEQ, ACT_EMBED))
-        # Layer slots a stage fills (from the whole stack: this stage's dims[0] is 1).
-        per_stage = StackShape(stack.n, (self.stages,), True, self.repeats).per_stage
-        with activation_sharding(jax.sharding.get_abstract_mesh(), rules):
-            y, stats = self._ticks(stack, xm, [leaf[0] for leaf in leaves], axis, per_stage)
         # Every stage's stats on every stage: one stats-sized all-reduce.
         stats = jax.tree.map(lambda a: _from_every_stage(a, axis, self.stages), stats)
 
@@ -121,14 +159,11 @@ class PipelineRunner(StackRunner):
         def in_batch_order(s):   # [L, M, b, ...] -> [L, B, ...]: the batch's rows
             return s.swapaxes(1, 2).reshape(stack.n, -1, *s.shape[3:])
 
-        # Stats summed over the batch (MoE loads, losses) are per microbatch here:
-        # their mean, as the train step's accumulation over microbatches takes it.
-        stats = {k: in_layer_order(v).mean(axis=1) if k in stack.summed
-                 else jax.tree.map(lambda a: in_batch_order(in_layer_order(a)), v)
-                 for k, v in stats.items()}
-        return y.swapaxes(0, 1).reshape(x.shape), stats
+        return {k: in_layer_order(v).mean(axis=1) if k in stack.summed
+                else jax.tree.map(lambda a: in_batch_order(in_layer_order(a)), v)
+                for k, v in stats.items()}
 
-    def _ticks(self, stack: Stack, xm, blocks, axis, per_stage):
+    def _ticks(self, stack: Stack, xm, blocks, axis):
         """One stage's side of the schedule (manual over ``axis``: ``over_stages``):
         (the last stage's outputs [M, b, ...] on every stage, this stage's stats
         [1, V, M, c, b, ...]).
@@ -138,18 +173,10 @@ class PipelineRunner(StackRunner):
         (V > 1): what the last stage sends on wraps around to stage 0, which keeps it
         until its next repeat (M >= S ticks later)."""
         m, s_count, v = self.microbatches, self.stages, self.repeats
-        chunk, axis = per_stage // v, tuple(axis)
         stage = jax.lax.axis_index(axis)
         pairs = [(i, (i + 1) % s_count) for i in range(s_count if v > 1 else s_count - 1)]
         varying = lambda a: jax.lax.pcast(a, axis, to="varying")
-
-        def run_chunk(x, r):   # each block's dim 0 (layers, or owner groups) in V parts
-            weights = blocks if v == 1 else [
-                jax.lax.dynamic_slice_in_dim(b, r * (b.shape[0] // v), b.shape[0] // v)
-                for b in blocks]
-            local = stack._replace(state=_one_stage(stack.state, weights, chunk), start=0,
-                                   n=chunk)
-            return self.inner(local, x)
+        run_chunk = lambda x, r: self.run_chunk(stack, blocks, x, r)
 
         # Varying from here: the input's gradient is summed over the stages once, not
         # at every tick.
@@ -198,12 +225,10 @@ def over_stages(fn, mesh: jax.sharding.Mesh, rules) -> Callable:
     sized buffers across stages), and the pipeline inside runs on the blocks
     it is given (``PipelineRunner``)."""
     axis = mesh_axes_of(STAGES, rules)
-    is_var = lambda v: isinstance(v, nnx.Variable)
-    staged = lambda v: is_var(v) and (logical_axes_of(v) or (None,))[0] == STAGES
 
     def mapped(params, *args):
         specs = [P(axis) if staged(v) else P()
-                 for v in jax.tree.leaves(params, is_leaf=is_var)]
+                 for v in jax.tree.leaves(params, is_leaf=lambda v: isinstance(v, nnx.Variable))]
         treedef = jax.tree.structure(params)
 
         def body(leaves, *args):
@@ -213,6 +238,26 @@ def over_stages(fn, mesh: jax.sharding.Mesh, rules) -> Callable:
                              out_specs=P(), axis_names=set(axis))(jax.tree.leaves(params),
                                                                   *args)
     return mapped
+
+
+def staged(v) -> bool:
+    """Whether ``v`` is a variable stacked over the pipeline stages [S, ...]."""
+    return isinstance(v, nnx.Variable) and (logical_axes_of(v) or (None,))[0] == STAGES
+
+
+def staged_leaves(params):
+    """(leaves outside the stages' stacks, stacked leaves, rebuild): ``rebuild(rest,
+    stacked)`` puts such lists back into ``params``' structure."""
+    leaves, treedef = jax.tree.flatten(params)
+    flags = [staged(v) for v in jax.tree.leaves(params, is_leaf=lambda v: isinstance(
+        v, nnx.Variable))]
+
+    def rebuild(rest, stacked):
+        rest, stacked = iter(rest), iter(stacked)
+        return treedef.unflatten([next(stacked) if f else next(rest) for f in flags])
+
+    return ([x for x, f in zip(leaves, flags) if not f], [x for x, f in zip(leaves, flags) if f],
+            rebuild)
 
 
 def _from_every_stage(a: jax.Array, axis, stages: int) -> jax.Array:

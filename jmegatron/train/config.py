@@ -273,18 +273,20 @@ class NorDion2Config:
 class PipelineConfig:
     """How the pipeline stages (--mesh.stage S) run the M microbatches."""
 
-    schedule: Literal["gpipe", "circular"] = "gpipe"
+    schedule: Literal["gpipe", "circular", "1f1b"] = "gpipe"
     """gpipe: S contiguous stages, all forward then all backward, bubble
-    (S-1)/(M+S-1); circular: each stage holds --pipeline.repeats V interleaved chunks
-    of layers and every microbatch goes around the stages V times, bubble
-    (S-1)/(V M+S-1) (needs M >= S)."""
+    (S-1)/(M+S-1), every microbatch's activations kept; circular: each stage holds
+    --pipeline.repeats V interleaved chunks of layers and every microbatch goes around
+    the stages V times, bubble (S-1)/(V M+S-1) (needs M >= S); 1f1b: each tick one
+    forward and one backward, at most 2S-1 microbatches' stage inputs kept whatever M,
+    bubble (2S-2)/(M+2S-2), one extra forward (the backward recomputes the stage)."""
     repeats: int = 1
     """Chunks of layers per stage V (circular: >= 2; gpipe: 1)."""
 
     def __post_init__(self):
         require("pipeline.repeats", self.repeats,
                 self.repeats >= 2 if self.schedule == "circular" else self.repeats == 1,
-                ">= 2 with --pipeline.schedule circular, 1 with gpipe")
+                ">= 2 with --pipeline.schedule circular, 1 with gpipe and 1f1b")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -103,7 +103,7 @@ def plan_run(cfg: TrainConfig) -> Plan:
         raise ValueError(f"--top-k {cfg.top_k}: must be at most the vocabulary "
                          f"(model.vocab_size={cfg.model.vocab_size})")
     layout = make_layout(cfg.layout, mesh.sizes(), assignment=cfg.assignment,
-                         repeats=cfg.pipeline.repeats)
+                         repeats=cfg.pipeline.repeats, schedule=cfg.pipeline.schedule)
     if layout.stages > 1 and cfg.microbatches < layout.stages:
         raise ValueError(f"--mesh.stage {layout.stages} needs --microbatches >= "
                          f"{layout.stages} (got {cfg.microbatches}): every stage would idle")

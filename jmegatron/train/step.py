@@ -17,7 +17,8 @@ from jmegatron.models.moe import balance_expert_bias, moe_losses
 from jmegatron.models.qk_clip import Clip
 from jmegatron.sharding import rules as ax
 from jmegatron.sharding.layouts import Layout
-from jmegatron.sharding.pipeline import over_stages
+from jmegatron.sharding.pipeline import over_stages, staged_leaves
+from jmegatron.sharding.pipeline_1f1b import Pieces, one_f_one_b
 from jmegatron.sharding.rules import Rules, activation_sharding, logical_to_spec
 from jmegatron.sharding.runners import running
 from jmegatron.train.optimizer import Optimizer, group_update_rms
@@ -38,6 +39,9 @@ def make_loss_fn(graphdef: nnx.GraphDef, model_cfg: GPTConfig, mesh: jax.shardin
     attention logit per layer and head."""
     rules = layout.rules
     runner = layout.runner(model_cfg.prefetch, model_cfg.keep_gathered, microbatches)
+    if layout.stages > 1 and layout.schedule == "1f1b":
+        return over_stages(one_f_one_b_loss(graphdef, model_cfg, runner, rules, z_loss),
+                           mesh, rules)
 
     def loss_on(mesh, params, tokens):
         with activation_sharding(mesh, rules), running(runner):
@@ -51,6 +55,42 @@ def make_loss_fn(graphdef: nnx.GraphDef, model_cfg: GPTConfig, mesh: jax.shardin
     if layout.stages > 1:   # each stage runs its own blocks (sharding.pipeline)
         return over_stages(loss_on, mesh, rules)
     return functools.partial(loss_on, mesh)
+
+
+def one_f_one_b_loss(graphdef: nnx.GraphDef, cfg: GPTConfig, runner, rules: Rules,
+                     z_loss: float):
+    """``loss_on(mesh, params, tokens)`` of make_loss_fn under the 1f1b schedule: the
+    model cut into its embedding, this stage's layers and its head with the loss,
+    run and differentiated by ``sharding.pipeline_1f1b``."""
+    if len(set(cfg.moe_layers)) > 1:
+        raise ValueError("the 1f1b schedule runs one layer stack: a dense model or "
+                         "moe.first_dense=0 (or --pipeline.schedule gpipe)")
+    moe = cfg.moe_layers[0]
+
+    def loss_on(mesh, params, tokens):
+        rest, staged, rebuild = staged_leaves(params)
+        model = lambda rest, staged: nnx.merge(graphdef, rebuild(rest, staged))
+        positions = jnp.arange(tokens.shape[1] - 1)
+
+        def chunk(rest, staged, x):
+            stack = model(rest, staged).layer_stack(moe, positions)
+            return runner.run_chunk(stack, [leaf[0] for leaf in stack.leaves], x)
+
+        def tail(rest, staged, y, tokens):
+            return cross_entropy(model(rest, staged).logits_of(y), tokens[:, 1:],
+                                 cfg.vocab_size, z_loss=z_loss, mesh=mesh, rules=rules)
+
+        pieces = Pieces(lambda rest, staged, tokens: model(rest, staged).embed_tokens(
+            tokens[:, :-1]), chunk, tail, lambda stats: moe_losses(stats, cfg.moe)[0])
+        with activation_sharding(mesh, rules):
+            stack = model(rest, staged).layer_stack(moe, positions)
+            loss, aux, stats = one_f_one_b(runner, stack, pieces, runner.check(stack), rest,
+                                           staged, tokens)
+        max_logit = stats.pop("max_logit").max(axis=1)
+        _, moe_metrics = moe_losses(stats, cfg.moe)
+        return loss, {**aux, **moe_metrics, "max_attention_logit": max_logit}
+
+    return loss_on
 
 
 def split_microbatches(tokens: jax.Array, n: int, mesh: jax.sharding.Mesh,
