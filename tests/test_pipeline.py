@@ -20,7 +20,8 @@ from cli_runs import SMALL, main
 from jmegatron.models import GPTConfig, MoEConfig, qk_clipper
 from jmegatron.models.gpt import real_layers, ungroup
 from jmegatron.optim import trainable_params
-from jmegatron.sharding import MeshConfig, hlo_collectives, make_mesh, nested
+from jmegatron.sharding import MeshConfig, hlo, hlo_collectives, make_mesh, nested
+from jmegatron.sharding.layouts import make_layout
 from jmegatron.sharding.pipeline import PipelineRunner, bubble
 from jmegatron.sharding.stacks import stack_of
 from jmegatron.train import (AdamWConfig, PipelineConfig, ScheduleConfig, TrainConfig, make_loss_fn,
@@ -318,6 +319,91 @@ def test_circular_runs_its_ticks_and_only_activations_cross_stages():
     assert_only_activations_cross_stages(report, ticks=2 * 4 + 2 - 1)
 
 
+ONE_F_ONE_B = dataclasses.replace(TRAIN, pipeline=PipelineConfig("1f1b"))
+# 1f1b runs one stack: MoE layers only (5 of them: padded on 2 and on 4 stages).
+MOE_ONLY = dataclasses.replace(MOE_MODEL, n_layers=5,
+                               moe=dataclasses.replace(MOE_MODEL.moe, first_dense=0))
+
+
+@pytest.fixture(scope="module")
+def moe_only_reference():
+    return three_steps(MeshConfig(fsdp=1), model=MOE_ONLY, devices=1, microbatches=1,
+                       accumulate=4)
+
+
+@pytest.mark.parametrize("mesh_config, layout, model, want", [
+    (MeshConfig(stage=2, fsdp=2, tensor=2), "owner", PADDED, "padded_reference"),
+    (MeshConfig(stage=2, fsdp=2, tensor=2), "layerwise", MODEL, "reference"),
+    (MeshConfig(stage=4, data=2, fsdp=1), "owner", MODEL, "reference"),
+    (MeshConfig(stage=4, data=2, fsdp=1), "layerwise", PADDED, "padded_reference"),
+    (MeshConfig(stage=2, fsdp=2, tensor=2), "owner", MOE_ONLY, "moe_only_reference"),
+    (MeshConfig(stage=2, fsdp=2, tensor=2), "layerwise",
+     dataclasses.replace(MOE_ONLY, remat="full"), "moe_only_reference"),
+    (MeshConfig(stage=4, data=2, fsdp=1), "owner", MOE_ONLY, "moe_only_reference"),
+    (MeshConfig(stage=4, data=2, fsdp=1), "layerwise", MOE_ONLY, "moe_only_reference"),
+    (MeshConfig(stage=2, data=2, fsdp=1, expert=2), "fsdp", MOE_ONLY, "moe_only_reference"),
+], ids=["stage2_fsdp2_tensor2_owner_padded", "stage2_fsdp2_tensor2_layerwise",
+        "stage4_data2_owner", "stage4_data2_layerwise_padded", "moe_stage2_fsdp2_tensor2_owner",
+        "moe_stage2_fsdp2_tensor2_layerwise_remat", "moe_stage4_data2_owner",
+        "moe_stage4_data2_layerwise", "moe_stage2_expert2"])
+def test_1f1b_three_steps_equal_one_device(mesh_config, layout, model, want, request):
+    """1f1b's own backward (sharding.pipeline_1f1b): each stage recomputes its layers
+    from the inputs it kept, the head's gradient starts each microbatch's backward, the
+    MoE losses' constant cotangents reach every layer's router, and the embedding and
+    head gradients of the first and last stage are summed once; three steps equal one
+    device's (accumulating the same 4 microbatches for MoE)."""
+    got = three_steps(mesh_config, layout, model=model, train=ONE_F_ONE_B, keep=True)
+    chex.assert_trees_all_close(ungroup(got), request.getfixturevalue(want),
+                                rtol=1e-5, atol=1e-6)
+    if model is not MODEL:
+        assert_padding_is_zero(got)
+
+
+@pytest.fixture(scope="module")
+def stage2_temporaries():
+    """{(schedule, M): (the train step's temporaries per device, its collectives)} at
+    stage 2 x data 2 x fsdp 2 for M microbatches of 4 rows (one a batch rank)."""
+    mesh = make_mesh(MeshConfig(stage=2, data=2, fsdp=2))
+    out = {}
+    for schedule, m in [("gpipe", 4), ("gpipe", 8), ("1f1b", 4), ("1f1b", 8)]:
+        train = dataclasses.replace(TRAIN, pipeline=PipelineConfig(schedule))
+        _, _, state, step = setup(mesh, "fsdp", MODEL, train, m)
+        tokens = jax.random.randint(jax.random.key(0), (4 * m, T + 1), 0, MODEL.vocab_size)
+        compiled = step.lower(state, tokens).compile()
+        out[schedule, m] = (compiled.memory_analysis().temp_size_in_bytes,
+                            hlo.parse_collectives(compiled.as_text(), mesh))
+    return out
+
+
+def test_1f1b_temporaries_do_not_grow_with_the_microbatches(stage2_temporaries):
+    """Twice the microbatches (of the same size) at the same S: gpipe keeps each one's
+    activations (more than one microbatch's activations more), 1f1b at most 2S - 1
+    stage inputs whatever M (less than one microbatch's activations apart)."""
+    activations = B // 4 // 4 * T * MODEL.d_model * 4   # one microbatch, per device
+    temp = {key: value[0] for key, value in stage2_temporaries.items()}
+    assert temp["gpipe", 8] - temp["gpipe", 4] > 4 * activations, temp
+    assert abs(temp["1f1b", 8] - temp["1f1b", 4]) < activations, temp
+    assert temp["1f1b", 4] < temp["gpipe", 4], temp
+
+
+@pytest.mark.parametrize("m", [4, 8])
+def test_1f1b_runs_its_ticks_and_only_activations_cross_stages_in_them(m, stage2_temporaries):
+    """M + 2S - 2 ticks, each sending one microbatch's activations forward and one's
+    gradient back; outside the loop, once a step, only the embedding and head gradients
+    (summed from the first and last stage) and stats and scalars cross ``stage``."""
+    report = stage2_temporaries["1f1b", m][1]
+    rows, d = B // 4 // 4, MODEL.d_model
+    crossing = [c for c in report.collectives if c.axes is None or "stage" in c.axes]
+    looped = [c for c in crossing if c.executions > 1]
+    assert len(looped) == 2 and all(
+        c.kind == "collective-permute" and c.axes == ("stage",) and c.executions == m + 2
+        and c.shape.startswith(f"f32[{rows},{T},{d}]") for c in looped), report.table()
+    # embedding + head per device ([V, D] and [D, V] split over fsdp 2), norm, stats
+    weights = 2 * MODEL.vocab * d // 2 * 4 + d * 4
+    once = sum(c.bytes_per_device for c in crossing if c.executions == 1)
+    assert weights <= once < weights + rows * T * d * 4, report.table()
+
+
 def test_a_nested_map_differentiates_inside_a_scan_of_a_stage():
     """sharding.nested: a map over fsdp x tensor inside one over stage, in a scan (whose
     loop-invariant hoisting splits it), has the gradients of the same computation
@@ -366,8 +452,14 @@ def test_the_bubble_is_the_schedules_formula():
      "pipeline stages (2) run each layer stack whole"),
     (lambda: dataclasses.replace(MODEL, stages=2, repeats=3), "2 pipeline stages of 3 chunks"),
     (lambda: PipelineConfig("circular"), "--pipeline.repeats 1: must be >= 2 with"),
+    (lambda: PipelineConfig("1f1b", repeats=2), "1 with gpipe and 1f1b"),
+    (lambda: make_loss_fn(None, dataclasses.replace(MOE_MODEL, stages=2), None,
+                          make_layout("fsdp", {"stage": 2, "fsdp": 4}, schedule="1f1b"),
+                          microbatches=2),
+     "the 1f1b schedule runs one layer stack"),
 ], ids=["more_stages_than_layers", "fewer_microbatches", "interleaved_moe",
-        "more_chunks_than_layers", "circular_without_repeats"])
+        "more_chunks_than_layers", "circular_without_repeats", "1f1b_with_repeats",
+        "1f1b_with_two_stacks"])
 def test_unsupported_settings_are_refused_in_one_line(make, words):
     with pytest.raises(Exception, match=None) as err:
         make()
