@@ -1,23 +1,26 @@
 """Pipeline schedules side by side: step time, bubble, traffic between stages, memory.
 
     python -m experiments.bench_pipeline [--small] [--stages 2 4] [--per-stage 1 2 4]
-                                         [--repeats 1 2] [--optim adamw] [--out PATH]
+                                         [--schedules gpipe circular 1f1b] [--repeats 2]
+                                         [--optim adamw] [--out PATH]
 
 On 8 devices, a GPT of 8 layers (D = 512; 256 with --small) with AdamW (or
 --optim's optimizer; Muon under fsdp orthogonalizes every matrix on every rank,
 so its step shrinks with the stages and hides the pipeline's own cost) under
 the fsdp layout: the baseline without a pipeline on fsdp 8, then for each S
 stages (stage S x fsdp 8/S) and M = k * S microbatches (k of --per-stage) each
-schedule (gpipe, and circular with V chunks a stage for each V of --repeats
-above 1): the train step's time and its ratio to the baseline's; the bubble as
-modelled, (S - 1) / (V M + S - 1), and as compiled (T ticks, the trip count of
-the loop that sends the activations on: (T - V M) / T); the bytes per device
+schedule (gpipe, circular with V chunks a stage for each V of --repeats, 1f1b):
+the train step's time and its ratio to the baseline's; the bubble as modelled
+(``sharding.pipeline.bubble``) and as compiled (T ticks, the trip count of the
+loop that sends the activations on: (T - V M) / T); the bytes per device
 the collective-permutes across ``stage`` move per step, and everything else
 that crosses it; and the train step's temporaries per device (XLA's memory
-analysis). An idle stage's tick computes on zeros, so the devices' work together
-is 1 / (1 - bubble) of the unpipelined step's ("work vs none"); on 8 virtual
-devices sharing 2 cores that work adds up and nothing overlaps: read the times
-against it, not as a GPU's speed.
+analysis). An idle stage's tick computes on zeros, so the devices' work
+together is 1 / (1 - bubble) of the unpipelined step's ("work vs none"); on 8
+virtual devices sharing 2 cores that work adds up and nothing overlaps: read
+the times against it, not as a GPU's speed. A second table compiles each
+schedule with M microbatches of a fixed size, so the batch grows with M: the
+temporaries per device, also in units of one microbatch's activations.
 """
 
 from __future__ import annotations
@@ -33,13 +36,14 @@ from experiments.bench_common import argv, best_time, print_table, write_results
 from jmegatron.models import GPT, GPTConfig
 from jmegatron.sharding import MeshConfig, hlo_collectives, make_mesh
 from jmegatron.sharding.layouts import make_layout
-from jmegatron.sharding.pipeline import bubble
+from jmegatron.sharding.pipeline import SCHEDULES, bubble
 from jmegatron.train import TrainConfig, create_train_state
 from jmegatron.train.optimizer import make_optimizer
 from jmegatron.train.registry import optimizer_names
 from jmegatron.train.step import make_loss_fn, make_train_step
 
 BATCH, SEQ = 32, 128
+MICRO_ROWS = 8   # rows of a microbatch in the memory table (one per fsdp rank at S = 1)
 
 
 def model_config(small: bool) -> GPTConfig:
@@ -48,26 +52,34 @@ def model_config(small: bool) -> GPTConfig:
                      d_ff=3 * d).pad_vocab(1)
 
 
-def measure(model: GPTConfig, stages: int, microbatches: int, repeats: int,
-            optim: str) -> dict:
-    """One row: the train step of ``model`` on stage S x fsdp 8/S (S = 1: no pipeline),
-    ``repeats`` chunks a stage (2 and more: circular)."""
+def build(model: GPTConfig, stages: int, microbatches: int, repeats: int, schedule: str,
+          optim: str, batch: int = BATCH):
+    """(train step, state, tokens) of ``model`` on stage S x fsdp 8/S (S = 1: no
+    pipeline) under ``schedule`` (circular: ``repeats`` chunks a stage)."""
     mesh = make_mesh(MeshConfig(stage=stages, data=1, fsdp=8 // stages))
-    layout = make_layout("fsdp", mesh.shape, repeats=repeats)
+    layout = make_layout("fsdp", mesh.shape, repeats=repeats,
+                         schedule=schedule if stages > 1 else None)
     cfg = dataclasses.replace(model, **layout.stack_fields)
     make_model = lambda: GPT(cfg, nnx.Rngs(0))
-    optimizer = make_optimizer(TrainConfig(optim=optim), nnx.split(nnx.eval_shape(make_model))[1], mesh,
-                               layout)
+    optimizer = make_optimizer(TrainConfig(optim=optim), nnx.split(nnx.eval_shape(make_model))[1],
+                               mesh, layout)
     graphdef, state = create_train_state(make_model, optimizer.tx, optimizer.plan)
     loss_fn = make_loss_fn(graphdef, cfg, mesh, layout, microbatches=microbatches)
     step = make_train_step(loss_fn, optimizer, 1, mesh, layout.rules)
-    tokens = jax.device_put(jax.random.randint(jax.random.key(0), (BATCH, SEQ + 1), 0,
+    tokens = jax.device_put(jax.random.randint(jax.random.key(0), (batch, SEQ + 1), 0,
                                                model.vocab_size),
                             jax.NamedSharding(mesh, jax.P(("data", "fsdp", "expert"))))
+    return step, state, tokens
+
+
+def measure(model: GPTConfig, stages: int, microbatches: int, repeats: int, schedule: str,
+            optim: str) -> dict:
+    """One row of the schedule table: the batch of BATCH rows in M microbatches."""
+    step, state, tokens = build(model, stages, microbatches, repeats, schedule, optim)
     report = hlo_collectives(step, state, tokens)
     crossing = [c for c in report.collectives if c.axes is None or "stage" in c.axes]
     permutes = [c for c in crossing if c.kind == "collective-permute"]
-    ticks = max((c.executions for c in permutes), default=0)
+    n_ticks = max((c.executions for c in permutes), default=0)
     moved = lambda cs: sum(c.bytes_per_device * c.executions for c in cs)
     temp = step.lower(state, tokens).compile().memory_analysis().temp_size_in_bytes
     holder = [jax.tree.map(jnp.copy, state)]
@@ -76,15 +88,37 @@ def measure(model: GPTConfig, stages: int, microbatches: int, repeats: int,
         holder[0], metrics = step(holder[0], tokens)
         return metrics["loss"]
 
-    schedule = "none" if stages == 1 else "gpipe" if repeats == 1 else f"circular V={repeats}"
-    return {"schedule": schedule, "stages": stages, "microbatches": microbatches,
+    name = "none" if stages == 1 else f"circular V={repeats}" if repeats > 1 else schedule
+    return {"schedule": name, "stages": stages, "microbatches": microbatches,
             "step_ms": 1e3 * best_time(one_step, 2),
-            "bubble_model": bubble(stages, microbatches, repeats) if stages > 1 else 0.0,
-            "ticks": ticks,
-            "bubble_hlo": (ticks - repeats * microbatches) / ticks if ticks else 0.0,
+            "bubble_model": bubble(stages, microbatches, repeats, schedule) if stages > 1 else 0.0,
+            "ticks": n_ticks,
+            "bubble_hlo": (n_ticks - repeats * microbatches) / n_ticks if n_ticks else 0.0,
             "permute_bytes_per_device": moved(permutes),
             "other_stage_bytes_per_device": moved([c for c in crossing if c not in permutes]),
             "temp_bytes_per_device": temp}
+
+
+def temporaries(model: GPTConfig, stages: int, microbatches: int, repeats: int, schedule: str,
+                optim: str) -> dict:
+    """One row of the memory table: M microbatches of MICRO_ROWS rows each (the batch
+    grows with M), compiled only."""
+    step, state, tokens = build(model, stages, microbatches, repeats, schedule, optim,
+                                MICRO_ROWS * microbatches)
+    temp = step.lower(state, tokens).compile().memory_analysis().temp_size_in_bytes
+    activations = MICRO_ROWS // (8 // stages) * SEQ * model.d_model * 4
+    return {"schedule": f"circular V={repeats}" if repeats > 1 else schedule,
+            "stages": stages, "microbatches": microbatches, "temp_bytes_per_device": temp,
+            "temp_in_microbatches": temp / activations}
+
+
+def variants(args) -> list[tuple[int, str]]:
+    """(repeats, schedule) of each pipeline schedule asked for."""
+    out = []
+    for name in args.schedules:
+        out += ([(v, name) for v in args.repeats if v > 1] if name == "circular"
+                else [(1, name)])
+    return out
 
 
 def parser() -> argparse.ArgumentParser:
@@ -94,8 +128,10 @@ def parser() -> argparse.ArgumentParser:
     parser.add_argument("--stages", type=int, nargs="+", default=[2, 4], choices=[2, 4, 8])
     parser.add_argument("--per-stage", type=int, nargs="+", default=[1, 2, 4],
                         help="microbatches per stage k: M = k * S")
-    parser.add_argument("--repeats", type=int, nargs="+", default=[1, 2],
-                        help="chunks a stage V: 1 is gpipe, 2 and more circular")
+    parser.add_argument("--schedules", nargs="+", default=["gpipe", "circular", "1f1b"],
+                        choices=SCHEDULES)
+    parser.add_argument("--repeats", type=int, nargs="+", default=[2],
+                        help="chunks a stage V of the circular schedule (2 and more)")
     parser.add_argument("--optim", default="adamw", choices=optimizer_names())
     parser.add_argument("--out", default=None)
     return parser
@@ -105,8 +141,8 @@ def main(args_list: list[str] | None = None) -> list[dict]:
     args = parser().parse_args(args_list)
     jax.config.update("jax_num_cpu_devices", 8)
     model = model_config(args.small)
-    rows = [measure(model, 1, 1, 1, args.optim)]
-    rows += [measure(model, s, k * s, v, args.optim) for v in args.repeats
+    rows = [measure(model, 1, 1, 1, "gpipe", args.optim)]
+    rows += [measure(model, s, k * s, v, name, args.optim) for v, name in variants(args)
              for s in args.stages for k in args.per_stage]
     for r in rows:
         r["step_vs_none"] = r["step_ms"] / rows[0]["step_ms"]
@@ -126,8 +162,18 @@ def main(args_list: list[str] | None = None) -> list[dict]:
                        ("permute_bytes_per_device", "permute bytes/dev", ",.0f"),
                        ("other_stage_bytes_per_device", "other bytes across stage/dev", ",.0f"),
                        ("temp_bytes_per_device", "temp/dev", ",.0f")])
-    write_results("bench_pipeline", rows, args.out, argv() if args_list is None else args_list)
-    return rows
+    memory = [temporaries(model, s, k * s, v, name, args.optim) for v, name in variants(args)
+              for s in args.stages for k in args.per_stage]
+    print(f"\ntemporaries with M microbatches of {MICRO_ROWS} rows (the batch grows with M); "
+          f"one microbatch's activations [{MICRO_ROWS}/fsdp, {SEQ}, {model.d_model}] fp32 "
+          "per device as the unit")
+    print_table(memory, [("schedule", "schedule", ""), ("stages", "S", "d"),
+                         ("microbatches", "M", "d"),
+                         ("temp_bytes_per_device", "temp/dev", ",.0f"),
+                         ("temp_in_microbatches", "in microbatch activations", ".1f")])
+    write_results("bench_pipeline", rows + memory, args.out,
+                  argv() if args_list is None else args_list)
+    return rows + memory
 
 
 if __name__ == "__main__":

@@ -108,6 +108,7 @@ import argparse
 import dataclasses
 import itertools
 import json
+import math
 import os
 import re
 import subprocess
@@ -139,11 +140,17 @@ class Setting:
     # (the communication-reduced optimizers next to Muon: --no-optimizers, --optimizers)
     group: str = "scale"
     base: str | None = None         # the Muon setting of the same model and mesh, compared with
+    microbatches: int = 1           # M, through the pipeline (mesh "stage" > 1)
+    schedule: str = "gpipe"         # the pipeline's (sharding.pipeline.SCHEDULES)
 
     @property
     def devices(self) -> int:
-        return self.mesh.get("data", 1) * self.mesh.get("fsdp", 1) * self.mesh.get(
-            "expert", 1) * self.mesh.get("tensor", 1)
+        return math.prod(self.mesh.get(a, 1) for a in ("stage", "data", "fsdp", "expert",
+                                                       "tensor"))
+
+    @property
+    def stages(self) -> int:
+        return self.mesh.get("stage", 1)
 
 
 def _megatron_settings() -> list[Setting]:
@@ -165,6 +172,28 @@ def _optimizer_settings() -> list[Setting]:
             for n in (8, 32, 64) for optim in REDUCED_COMM]
 
 
+def _pipeline_settings() -> list[Setting]:
+    """A 70B dense model on 64 and 256 GPUs without and with 4 pipeline stages (the
+    same batch), and the Kimi K2 mesh (PP4 DP64 EP64 on 256 GB300) with Muon and
+    AdamW; M = 16 or 32 microbatches of one sequence a batch rank."""
+    dense = ("layerwise", "owner", OPTAX)
+    return [
+        Setting("llama-70b/fsdp64", "llama-70b", {"fsdp": 64}, 256, 4096, layouts=dense,
+                group="pipeline"),
+        Setting("llama-70b/pp4-fsdp16", "llama-70b", {"stage": 4, "fsdp": 16}, 256, 4096,
+                layouts=dense, group="pipeline", microbatches=16),
+        Setting("llama-70b/fsdp256", "llama-70b", {"fsdp": 256}, 1024, 4096, layouts=dense,
+                group="pipeline", slow=True),
+        Setting("llama-70b/pp4-fsdp64", "llama-70b", {"stage": 4, "fsdp": 64}, 1024, 4096,
+                layouts=dense, group="pipeline", microbatches=16, slow=True),
+        Setting("kimi-k2/pp4-ep64", "kimi-k2", {"stage": 4, "expert": 64}, 2048, 4096,
+                layouts=("layerwise", "owner"), group="pipeline", microbatches=32, slow=True),
+        Setting("kimi-k2/pp4-ep64/adamw", "kimi-k2", {"stage": 4, "expert": 64}, 2048, 4096,
+                optim="adamw", layouts=("layerwise",), group="pipeline", microbatches=32,
+                slow=True),
+    ]
+
+
 SETTINGS: tuple[Setting, ...] = (
     Setting("small/fsdp8", "small", {"fsdp": 8}, 8, 128, group="small"),
     # The tests' period-weighting check (MuonBP's default period 5).
@@ -184,6 +213,7 @@ SETTINGS: tuple[Setting, ...] = (
             layouts=LAYOUT_NAMES),
     *_megatron_settings(),
     *_optimizer_settings(),
+    *_pipeline_settings(),
 )
 
 
@@ -216,6 +246,17 @@ def model_config(name: str, tensor: int = 1):
         cfg = GPTConfig(vocab_size=151936, d_model=2048, n_layers=48, n_heads=32, n_kv_heads=4,
                         head_dim=128, d_ff=768, qk_norm=True, remat="full",
                         moe=MoEConfig(n_experts=128, top_k=8, d_ff=768), **real)
+    elif name == "llama-70b":   # Llama 2 70B's shape
+        cfg = GPTConfig(vocab_size=32000, d_model=8192, n_layers=80, n_heads=64, n_kv_heads=8,
+                        d_ff=28672, remat="full", **real)
+    elif name == "kimi-k2":
+        # Kimi K2's published shape, its MLA attention as GQA (64 query heads, 8 KV heads
+        # of 128: 132M attention parameters a layer where MLA has about 100M): 1.03T
+        # parameters, 32B active
+        cfg = GPTConfig(vocab_size=163840, d_model=7168, n_layers=61, n_heads=64, n_kv_heads=8,
+                        head_dim=128, d_ff=18432, remat="full",
+                        moe=MoEConfig(n_experts=384, top_k=8, d_ff=2048, shared_d_ff=2048,
+                                      first_dense=1), **real)
     elif name.removeprefix("megatron-") in megatron:
         d, layers, heads = megatron[name.removeprefix("megatron-")]
         # SwiGLU F = 8D/3: GPT-2's 4D GELU MLP's parameters and FLOPs (8 D^2 per layer).
@@ -224,7 +265,7 @@ def model_config(name: str, tensor: int = 1):
                         **real)
     else:
         raise ValueError(f"unknown model {name!r}; choose one of ('small', 'gpt2-small', "
-                         f"'llama-7b', 'qwen3-30b-a3b', "
+                         f"'llama-7b', 'llama-70b', 'qwen3-30b-a3b', 'kimi-k2', "
                          f"{', '.join(repr('megatron-' + k) for k in megatron)})")
     return cfg.pad_vocab(tensor)
 
@@ -263,7 +304,8 @@ def abstract_program(s: Setting, layout_name: str, devices=None):
 
     devices = list(jax.devices() if devices is None else devices)[:s.devices]
     mesh = make_mesh(MeshConfig(**{"fsdp": 1, **s.mesh}), devices)
-    layout = make_layout("fsdp" if layout_name == OPTAX else layout_name, mesh.shape)
+    layout = make_layout("fsdp" if layout_name == OPTAX else layout_name, mesh.shape,
+                         schedule=s.schedule)
     cfg = dataclasses.replace(model_config(s.model, mesh.shape["tensor"]),
                               **layout.stack_fields)
     make_model = lambda: GPT(cfg, nnx.Rngs(0))
@@ -322,7 +364,7 @@ def build_programs(s: Setting, layout_name: str, devices=None) -> Programs:
 
     mesh, layout, cfg, optimizer, graphdef, state, tokens = abstract_program(
         s, layout_name, devices)
-    loss_fn = make_loss_fn(graphdef, cfg, mesh, layout)
+    loss_fn = make_loss_fn(graphdef, cfg, mesh, layout, microbatches=s.microbatches)
     return Programs(mesh, layout, cfg, optimizer, graphdef, state, tokens, loss_fn,
                     make_train_step(loss_fn, optimizer, 1, mesh, layout.rules),
                     jax.jit(opt_step_fn(optimizer)))
@@ -368,6 +410,7 @@ def compile_layout(s: Setting, layout_name: str, fwd_bwd: bool = False, devices=
            "mesh_shape": dict(mesh.shape), "devices": mesh.size,
            "params_b": cfg.param_count() / 1e9, "batch": s.batch, "seq": s.seq,
            "model_flops_per_device": cfg.flops_per_token(s.seq) * s.batch * s.seq / mesh.size,
+           **pipeline_work(s, cfg),
            # XLA counts a conditional at its costlier branch: MuonBP's averaged over P.
            "opt_flops_per_device": (opt_flops if period == 1 else
                                     opt_flops - period_excess_flops(opt_text, period)),
@@ -391,6 +434,25 @@ def compile_layout(s: Setting, layout_name: str, fwd_bwd: bool = False, devices=
         report = parse_collectives(grad.lower(state.params, tokens).compile().as_text(), mesh)
         row["fwd_bwd_bytes_per_device"] = report.bytes_per_device()
     return row
+
+
+def pipeline_work(s: Setting, cfg) -> dict:
+    """What a pipeline adds to the model's FLOPs per device (analytic): the stages,
+    microbatches, schedule and bubble, and the FLOPs per device of the step's
+    pipelined part (the layers, run 1 / (1 - bubble) as long: every tick computes,
+    idle ones on zeros) and of its replicated part (the embedding and head, which
+    every stage computes for the whole batch; with 1f1b also the one extra forward of
+    the layers its backward recomputes). Without stages: no bubble, the model's FLOPs."""
+    from jmegatron.sharding.pipeline import bubble
+    tokens = s.batch * s.seq
+    total = cfg.flops_per_token(s.seq) * tokens
+    head = 6 * cfg.d_model * cfg.vocab * tokens
+    layers = (total - head) * (4 / 3 if s.schedule == "1f1b" and s.stages > 1 else 1)
+    return {"stages": s.stages, "microbatches": s.microbatches,
+            "schedule": s.schedule if s.stages > 1 else "-",
+            "bubble": bubble(s.stages, s.microbatches, 1, s.schedule) if s.stages > 1 else 0.0,
+            "layer_flops_per_device": layers / s.devices,
+            "head_flops_per_device": head * s.stages / s.devices}
 
 
 def optimizer_period(s: Setting, layout_name: str) -> int:
@@ -469,9 +531,10 @@ def project_row(row: dict, hw_name: str) -> dict:
     hw = cm.hardware(hw_name)
     shape = row["mesh_shape"]
     opt = cm.project(row["opt_flops_per_device"], collectives_of(row, "opt"), shape, hw)
-    train = cm.project(row["model_flops_per_device"] + row["opt_flops_per_device"],
-                       collectives_of(row, "train"), shape, hw)
+    train = cm.project(step_flops(row), collectives_of(row, "train"), shape, hw)
     return {f"{hw_name}_step_ms": 1e3 * train.serial,
+            # the model's FLOPs (as one device would run them) per second of the step
+            f"{hw_name}_tflops_per_gpu": row["model_flops_per_device"] / train.serial / 1e12,
             f"{hw_name}_step_overlap_ms": 1e3 * train.overlapped,
             f"{hw_name}_compute_ms": 1e3 * train.compute,
             f"{hw_name}_comm_ms": 1e3 * train.comm.seconds,
@@ -479,6 +542,17 @@ def project_row(row: dict, hw_name: str) -> dict:
             f"{hw_name}_opt_ms": 1e3 * opt.serial,
             f"{hw_name}_fits": row["state_bytes_per_device"]
             + row["train_temp_bytes_per_device"] <= hw.hbm_gb * 1e9}
+
+
+def step_flops(row: dict) -> float:
+    """The FLOPs a device's train step takes time for: the model's, with a pipeline its
+    layers stretched by the bubble and its head on every stage (``pipeline_work``);
+    then the optimizer step (after the pipeline has drained: no bubble hides it)."""
+    model = row["model_flops_per_device"]
+    if row.get("stages", 1) > 1:
+        model = row["layer_flops_per_device"] / (1 - row["bubble"]) + row[
+            "head_flops_per_device"]
+    return model + row["opt_flops_per_device"]
 
 
 # --------------------------------------------------------------------------- running
@@ -634,6 +708,44 @@ def print_optimizer_table(rows: list[dict], hardware: list[str]) -> None:
           "average of their branches' matmuls).")
 
 
+# Kimi K2's training run as the seed reports it: PP4 DP64 EP64 on 256 GB300, model
+# TFLOP/s per GPU.
+KIMI_K2_PUBLISHED = {"muon": 1080.0, "adamw": 1051.0}
+
+
+def print_pipeline_table(rows: list[dict], hardware: list[str]) -> None:
+    """The pipeline settings next to the same model without stages: bubble, bytes across
+    stages, and the projected step and model TFLOP/s per GPU."""
+    mine = [r for r in rows if r["setting"].split("/")[0] in ("llama-70b", "kimi-k2")]
+    if not mine:
+        return
+    out = []
+    for r in mine:
+        across = [c for c in collectives_of(r, "train")
+                  if c.axes is None or "stage" in c.axes]
+        out.append({**r, "pipeline": (f"{r['schedule']} S={r['stages']} M={r['microbatches']}"
+                                      if r["stages"] > 1 else "none"),
+                    "stage_gb": sum(c.bytes_per_device * c.executions for c in across) / 1e9,
+                    "train_gb": r["train_gpu_bytes_per_device"] / 1e9,
+                    "state_gb": r["state_bytes_per_device"] / 1e9,
+                    "published": KIMI_K2_PUBLISHED.get(r["optim"])
+                    if r["model"] == "kimi-k2" else None})
+    columns = [("setting", "setting", ""), ("optim", "optim", ""), ("variant", "layout", ""),
+               ("pipeline", "pipeline", ""), ("bubble", "bubble", ".1%"),
+               ("train_gb", "train GB/dev", ".2f"), ("stage_gb", "across stages GB/dev", ".3f"),
+               ("state_gb", "params+state GB/dev", ".1f")]
+    for hw in hardware:
+        columns += [(f"{hw}_step_ms", f"{hw} step ms", ".0f"),
+                    (f"{hw}_opt_ms", f"{hw} opt ms", ".0f"),
+                    (f"{hw}_tflops_per_gpu", f"{hw} model TFLOP/s/GPU", ".0f")]
+    columns.append(("published", "published TFLOP/s/GPU", ".0f"))
+    print("\nPipelines (the step: the layers' FLOPs over 1 - bubble, the embedding and head "
+          "on every stage, then the optimizer step of each stage's own matrices, which no "
+          "bubble hides); model TFLOP/s/GPU = the model's FLOPs per device / the projected "
+          "step:")
+    print_table(out, columns)
+
+
 def anchors(rows: list[dict]) -> list[dict]:
     """The published ratios next to what the projection says for the same setting."""
     def ratio(name: str, slow: str, fast: str, hw: str) -> tuple[float, float, float] | None:
@@ -746,9 +858,12 @@ def selected(args) -> list[str]:
     if args.only_optimizers:   # the comparison: each optimizer setting and its Muon base
         reduced = [s for s in SETTINGS if s.group == "optimizers"]
         return list(dict.fromkeys(name for s in reduced for name in (s.base, s.name)))
+    if args.only_pipelines:
+        return [s.name for s in SETTINGS if s.group == "pipeline" and (args.slow or not s.slow)]
     return [s.name for s in SETTINGS if (args.slow or not s.slow)
             and (s.group != "megatron" or args.megatron) and s.group != "small"
-            and (s.group != "optimizers" or args.optimizers)]
+            and (s.group != "optimizers" or args.optimizers)
+            and (s.group != "pipeline" or args.pipelines)]
 
 
 def parser() -> argparse.ArgumentParser:
@@ -766,6 +881,11 @@ def parser() -> argparse.ArgumentParser:
     parser.add_argument("--only-optimizers", action="store_true",
                         help=f"only {', '.join(REDUCED_COMM)} on llama-7b's fsdp 8/32/64 and "
                         "Muon's llama-7b settings of the same meshes (their comparison table)")
+    parser.add_argument("--pipelines", action="store_true",
+                        help="also the pipeline settings (llama-70b with and without stages; "
+                        "with --slow also its 256-GPU pair and the Kimi K2 mesh)")
+    parser.add_argument("--only-pipelines", action="store_true",
+                        help="only the pipeline settings (with --slow: all of them)")
     parser.add_argument("--out", default=None)
     return parser
 
@@ -789,6 +909,7 @@ def main(args_list: list[str] | None = None) -> list[dict]:
                                   ("setting", "setting", ""), ("compare", "projected", ""),
                                   ("slow_ms", "ms", ".1f"), ("fast_ms", "ms", ".1f"),
                                   ("projected", "ratio", ".1f")])
+    print_pipeline_table(scale, args.hardware)
     megatron = megatron_rows(rows)
     print_megatron(megatron)
     print_assumptions(sorted({*args.hardware, "a100", "v100-dgx2h"}))

@@ -443,6 +443,7 @@ def test_a_nested_map_differentiates_inside_a_scan_of_a_stage():
 def test_the_bubble_is_the_schedules_formula():
     assert bubble(4, 4) == pytest.approx(3 / 7) and bubble(2, 8) == pytest.approx(1 / 9)
     assert bubble(4, 4, repeats=2) == pytest.approx(3 / 11)
+    assert bubble(4, 4, schedule="1f1b") == pytest.approx(6 / 10)
 
 
 @pytest.mark.parametrize("make, words", [

@@ -55,9 +55,19 @@ from jmegatron.sharding.stacks import StackShape
 SCHEDULES = ("gpipe", "circular", "1f1b")
 
 
-def bubble(stages: int, microbatches: int, repeats: int = 1) -> float:
-    """The idle fraction of a step, (S - 1) / (V M + S - 1): GPipe's with V = 1."""
-    return (stages - 1) / (repeats * microbatches + stages - 1)
+def ticks(stages: int, microbatches: int, repeats: int = 1, schedule: str = "gpipe") -> int:
+    """The ticks of a schedule's loop: V M + S - 1 each way (gpipe: V = 1, circular);
+    M + 2S - 2 for 1f1b, whose ticks run a forward and a backward each."""
+    if schedule == "1f1b":
+        return microbatches + 2 * stages - 2
+    return repeats * microbatches + stages - 1
+
+
+def bubble(stages: int, microbatches: int, repeats: int = 1, schedule: str = "gpipe") -> float:
+    """The idle fraction of a step: (S - 1) / (V M + S - 1) (gpipe: V = 1, circular);
+    (2S - 2) / (M + 2S - 2) for 1f1b, in lockstep ticks."""
+    total = ticks(stages, microbatches, repeats, schedule)
+    return (total - repeats * microbatches) / total
 
 
 @dataclasses.dataclass(frozen=True)

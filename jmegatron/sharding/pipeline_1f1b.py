@@ -114,12 +114,15 @@ def _schedule(runner, stack: Stack, pieces: Pieces, axis, rest, staged, tokens):
     zeros = lambda tree: jax.tree.map(lambda a: varying(jnp.zeros(a.shape, a.dtype)), tree)
 
     def tick(carry, t):
-        fwd_in, bwd_in, inputs, stats, loss, aux, grads = carry
+        y_prev, bwd_in, inputs, stats, loss, aux, grads = carry
         f, k = t - stage, t - (2 * s_count - 2 - stage)
         f_ok, k_ok = (f >= 0) & (f < m), (k >= 0) & (k < m)
         f, k = jnp.clip(f, 0, m - 1), jnp.clip(k, 0, m - 1)
         first, last = stage == 0, stage == s_count - 1
-        # Forward of microbatch f; its stage input kept until its backward.
+        # Forward of microbatch f (the last tick's output reaches the next stage first);
+        # its stage input kept until its backward.
+        fwd_in = activations(jax.lax.ppermute(y_prev, axis,
+                                              [(i, i + 1) for i in range(s_count - 1)]))
         x = jnp.where(first, front(rest, at(micro, f)), fwd_in)
         inputs = keep(inputs, x, f_ok, f % ring)
         y, st = chunk(staged, x)
@@ -131,18 +134,20 @@ def _schedule(runner, stack: Stack, pieces: Pieces, axis, rest, staged, tokens):
         ends = last & f_ok
         loss = loss + jnp.where(ends, loss_f, 0)
         aux = add(aux, masked(aux_f, ends))
-        # Backward of microbatch k from its kept input (the layers recomputed).
-        (_, st_k), pull_chunk = jax.vjp(chunk, staged, at(inputs, k % ring))
-        d_staged, dx = pull_chunk((jnp.where(last, dy_tail, bwd_in),
-                                   stats_cotangent(k_ok, st_k)))
+        # Backward of microbatch k from its kept input (the layers recomputed), after the
+        # forward and the head: XLA:CPU may run two layer loops that do not depend on
+        # each other in either order on each device, and two devices then wait for
+        # each other at different collectives.
+        dy = jnp.where(last, dy_tail, bwd_in)
+        (_, st_k), pull_chunk = jax.vjp(chunk, staged, after(dy, at(inputs, k % ring)))
+        d_staged, dx = pull_chunk((dy, stats_cotangent(k_ok, st_k)))
         _, pull_front = jax.vjp(front, rest, at(micro, k))
         d_rest_front, _ = pull_front(dx)
         grads = add(grads, (add(masked(d_rest_tail, ends), masked(d_rest_front, first & k_ok)),
                             masked(d_staged, k_ok)))
-        fwd_in = activations(jax.lax.ppermute(y, axis, [(i, i + 1) for i in range(s_count - 1)]))
         bwd_in = activations(jax.lax.ppermute(dx, axis, [(i + 1, i) for i in range(s_count - 1)]))
         inputs = constrain(inputs, (None, BATCH, SEQ, ACT_EMBED))
-        return (fwd_in, bwd_in, inputs, stats, loss, aux, grads), None
+        return (y, bwd_in, inputs, stats, loss, aux, grads), None
 
     start = (zeros(x_shape), zeros(x_shape),
              varying(jnp.zeros((ring, *x_shape.shape), x_shape.dtype)),
@@ -158,6 +163,13 @@ def _schedule(runner, stack: Stack, pieces: Pieces, axis, rest, staged, tokens):
         {k: v for k, v in stats.items() if k in stack.summed})
     aux = jax.tree.map(lambda a: jax.lax.psum(a, axis) / m, aux)
     return (loss, aux, stats), (d_rest, d_staged)
+
+
+def after(first: jax.Array, then: jax.Array) -> jax.Array:
+    """``then``, made to depend on ``first``: plus 0 times one of its elements, which
+    XLA does not fold (0 * x is not 0 for an inf or a nan; where ``first`` holds
+    one, the step's loss or gradients do too, and the step is skipped anyway)."""
+    return then + (0 * first.ravel()[0]).astype(then.dtype)
 
 
 def _stats_cotangents(stack: Stack, runner, stats_shape: dict, stats_loss, m: int, axis):
