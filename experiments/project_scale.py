@@ -3,6 +3,7 @@
     python -m experiments.project_scale [--settings NAME ...] [--hardware h100 gb300 ...]
                                         [--slow] [--no-megatron] [--small] [--out PATH]
                                         [--no-optimizers | --only-optimizers]
+                                        [--pipelines | --only-pipelines]
 
 For each setting (a model, a mesh of 8 to 64 devices, a batch) and each layout
 (replicated, layerwise, fsdp, owner), this compiles without allocating anything
@@ -79,6 +80,23 @@ Choices per model (stated in the output too):
 Every model computes in bf16 with fp32 master weights; Muon with bf16
 Newton-Schulz matmuls (5 quintic steps) for hidden matrices, AdamW for the rest;
 no gradient clipping (as bench_layouts).
+
+Pipelines (``--pipelines``; ``--only-pipelines``; with ``--slow`` also the 256-GPU
+settings): a 70B dense model (Llama 2 70B's shape, T=4096, full remat) on 64 GPUs
+as fsdp 64 and as 4 stages of fsdp 16 (gpipe, M = 16; the same batch of 256), and
+with --slow on 256 GPUs (fsdp 256 against stage 4 x fsdp 64, batch 1024); rows
+for layerwise, owner and optax. Kimi K2's mesh (--slow): PP4 DP64 EP64 on 256
+devices as stage 4 x expert 64 (the expert axis is also the data axis of the
+dense parts), Kimi K2's shape with GQA for its MLA attention, 2048 sequences in
+M = 32 microbatches, Muon (layerwise, owner) and AdamW, against the published
+1,080 and 1,051 model TFLOP/s per GPU. The projected step of a pipeline: the
+layers' FLOPs over 1 - bubble (every tick computes; idle ones on zeros), the
+embedding and head on every stage (the pipeline runs them outside, replicated
+over the stages), the collectives as compiled (the permutes between stages on
+InfiniBand: ``stage`` is the outermost mesh axis), then the optimizer step: each
+stage orthogonalizes only its own matrices, after the pipeline has drained, on
+every stage at once (nothing hides it; an MPMD pipeline could start the last
+stage's while the first still runs its backward).
 
 Anchors (published, other software and models; set next to the projection of
 the closest setting here):
@@ -199,6 +217,9 @@ SETTINGS: tuple[Setting, ...] = (
     # The tests' period-weighting check (MuonBP's default period 5).
     Setting("small/fsdp8/muon_bp", "small", {"fsdp": 8}, 8, 128, optim="muon_bp",
             layouts=("fsdp",), group="small", base="small/fsdp8"),
+    # The tests' pipeline check.
+    Setting("small/pp2-fsdp4", "small", {"stage": 2, "fsdp": 4}, 8, 128,
+            layouts=("layerwise",), group="small", microbatches=2),
     Setting("gpt2-small/fsdp8", "gpt2-small", {"fsdp": 8}, 64, 1024),
     Setting("gpt2-small/fsdp32-tp2", "gpt2-small", {"fsdp": 32, "tensor": 2}, 256, 1024),
     Setting("llama-7b/fsdp8", "llama-7b", {"fsdp": 8}, 8, 4096),

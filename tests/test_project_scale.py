@@ -190,3 +190,37 @@ def test_optimizer_settings_selection():
         name for n in (8, 32, 64) for name in (f"llama-7b/fsdp{n}", f"llama-7b/fsdp{n}/muon_bp",
                                                f"llama-7b/fsdp{n}/dion2")]
     assert "small/fsdp8/muon_bp" not in chosen()
+
+
+def test_a_pipelined_setting_projects_its_bubble_and_ticks():
+    """bench_layouts' small model on stage 2 x fsdp 4, M = 2 (layerwise): the compiled
+    train step sends the activations across the stages 2 (M + S - 1) times; the
+    projection stretches the layers' FLOPs by 1 / (1 - bubble), runs the head on both
+    stages, and adds the optimizer step after the pipeline."""
+    s = ps.setting("small/pp2-fsdp4")
+    row = ps.compile_layout(s, "layerwise")
+    assert (row["stages"], row["microbatches"], row["schedule"]) == (2, 2, "gpipe")
+    assert row["bubble"] == pytest.approx(1 / 3)
+    permutes = [c for c in ps.collectives_of(row, "train") if c.kind == "collective-permute"]
+    assert permutes and all(c.axes == ("stage",) for c in permutes)
+    assert sum(c.executions for c in permutes) == 2 * (2 + 2 - 1)
+    # The pipeline's split of the model's FLOPs: the head counted once a stage.
+    cfg = ps.model_config("small")
+    head = 6 * cfg.d_model * cfg.vocab * 8 * 128 / 8
+    assert row["layer_flops_per_device"] + row["head_flops_per_device"] / 2 == pytest.approx(
+        row["model_flops_per_device"], rel=1e-12)
+    flops = (row["layer_flops_per_device"] * 3 / 2 + 2 * head + row["opt_flops_per_device"])
+    assert ps.step_flops(row) == pytest.approx(flops, rel=1e-12)
+    got = ps.project_row(row, "h100")
+    assert got["h100_tflops_per_gpu"] == pytest.approx(
+        row["model_flops_per_device"] / got["h100_step_ms"] / 1e9, rel=1e-12)
+
+
+def test_pipeline_settings_selection():
+    chosen = lambda *argv: ps.selected(ps.parser().parse_args(list(argv)))
+    pipelines = [s.name for s in ps.SETTINGS if s.group == "pipeline"]
+    assert not set(pipelines) & set(chosen())
+    assert chosen("--only-pipelines") == ["llama-70b/fsdp64", "llama-70b/pp4-fsdp16"]
+    assert chosen("--only-pipelines", "--slow") == pipelines
+    assert ps.setting("kimi-k2/pp4-ep64").devices == 256
+    assert abs(ps.model_config("kimi-k2").param_count() / 1e12 - 1.03) < 0.01
