@@ -16,9 +16,10 @@ loop that sends the activations on: (T - V M) / T); the bytes per device
 the collective-permutes across ``stage`` move per step, and everything else
 that crosses it; and the train step's temporaries per device (XLA's memory
 analysis). An idle stage's tick computes on zeros, so the devices' work
-together is 1 / (1 - bubble) of the unpipelined step's ("work vs none"); on 8
-virtual devices sharing 2 cores that work adds up and nothing overlaps: read
-the times against it, not as a GPU's speed. A second table compiles each
+together is 1 / (1 - bubble) of the unpipelined step's, 4/3 of that for 1f1b,
+which runs each forward twice ("work vs none"); on 8 virtual devices sharing 2
+cores that work adds up and nothing overlaps: read the times against it, not as
+a GPU's speed. A second table compiles each
 schedule with M microbatches of a fixed size, so the batch grows with M: the
 temporaries per device, also in units of one microbatch's activations.
 """
@@ -148,8 +149,9 @@ def main(args_list: list[str] | None = None) -> list[dict]:
         r["step_vs_none"] = r["step_ms"] / rows[0]["step_ms"]
         # Every stage computes on every tick, idle ones on zeros: the devices' work
         # together is 1 / (1 - bubble) of the unpipelined step's (XLA's cost analysis
-        # counts a loop's body once, whatever its trip count, so it cannot say).
-        r["work_vs_none"] = 1 / (1 - r["bubble_model"])
+        # counts a loop's body once, whatever its trip count, so it cannot say); 1f1b
+        # also recomputes each forward: 4/3 of the layers' forward + backward.
+        r["work_vs_none"] = (4 / 3 if r["schedule"] == "1f1b" else 1) / (1 - r["bubble_model"])
     print(f"model: {model.n_layers} layers, D={model.d_model}, F={model.d_ff}, "
           f"{model.param_count() / 1e6:.1f}M params; batch {BATCH} x {SEQ}; fsdp layout, "
           f"{args.optim}; stage S x fsdp 8/S")

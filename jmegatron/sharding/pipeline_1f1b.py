@@ -42,6 +42,7 @@ from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
+
 from jmegatron.sharding import nested
 from jmegatron.sharding.rules import ACT_EMBED, BATCH, SEQ, constrain
 from jmegatron.sharding.runners import Stack
@@ -71,9 +72,8 @@ def one_f_one_b(runner, stack: Stack, pieces: Pieces, axis, rest, staged, tokens
     def run(rest, staged, tokens):
         return _schedule(runner, stack, pieces, axis, rest, staged, tokens)[0]
 
-    def forward(rest, staged, tokens):
-        out, grads = _schedule(runner, stack, pieces, axis, rest, staged, tokens)
-        return out, grads
+    def forward(rest, staged, tokens):   # (out, residuals: the gradients)
+        return _schedule(runner, stack, pieces, axis, rest, staged, tokens)
 
     def backward(grads, cotangents):   # only the loss is differentiable
         scale = cotangents[0]
