@@ -1,9 +1,6 @@
 """Tests run on 8 virtual CPU devices; this must happen before JAX starts."""
 
-import atexit
 import os
-import shutil
-import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")   # see experiments/__init__.py
@@ -16,19 +13,9 @@ os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""),
 import jax  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
-# One XLA compilation cache for the session, in a fresh folder removed at exit (and
-# handed to the subprocesses the tests start): a program compiled again (a Trainer
-# that resumes, a CLI run repeated, one program in two fixtures) is read back instead
-# of compiled. A program read back has the same HLO text and memory and cost
-# analyses as one compiled (checked by hand); the entries are small (about 10 KB).
-_XLA_CACHE = tempfile.mkdtemp(prefix="jmegatron-tests-xla-cache-")
-atexit.register(shutil.rmtree, _XLA_CACHE, ignore_errors=True)
-for _name, _value in (("jax_compilation_cache_dir", _XLA_CACHE),
-                      ("jax_persistent_cache_min_compile_time_secs", 0),
-                      ("jax_persistent_cache_min_entry_size_bytes", 0)):
-    os.environ[_name.upper()] = str(_value)
-    jax.config.update(_name, _value)
 
+
+import shutil  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402

@@ -69,17 +69,14 @@ def reference():
 
 
 @pytest.mark.parametrize("mesh_config, layout, remat", [
-    (MeshConfig(stage=2, data=2, fsdp=2), "fsdp", "none"),
     (MeshConfig(stage=2, fsdp=2, tensor=2), "fsdp", "full"),
     (MeshConfig(stage=4, data=2, fsdp=1), "replicated", "none"),
     (MeshConfig(stage=4, data=2, fsdp=1), "layerwise", "dots"),
-    (MeshConfig(stage=2, fsdp=4), "owner", "none"),
+    (MeshConfig(stage=4, data=2, fsdp=1), "owner", "none"),
     (MeshConfig(stage=2, fsdp=2, tensor=2), "owner", "none"),
-    (MeshConfig(stage=2, data=2, fsdp=2), "layerwise", "none"),
     (MeshConfig(stage=2, fsdp=2, tensor=2), "layerwise", "none"),
-], ids=["stage2_data2_fsdp2", "stage2_fsdp2_tensor2_remat", "stage4_data2_replicated",
-        "stage4_data2_layerwise_remat", "stage2_fsdp4_owner", "stage2_fsdp2_tensor2_owner",
-        "stage2_data2_fsdp2_layerwise", "stage2_fsdp2_tensor2_layerwise"])
+], ids=["stage2_fsdp2_tensor2_remat", "stage4_data2_replicated", "stage4_data2_layerwise_remat",
+        "stage4_data2_owner", "stage2_fsdp2_tensor2_owner", "stage2_fsdp2_tensor2_layerwise"])
 def test_three_steps_equal_one_device(mesh_config, layout, remat, reference):
     model = dataclasses.replace(MODEL, remat=remat)
     chex.assert_trees_all_close(three_steps(mesh_config, layout, model=model), reference,
@@ -110,13 +107,29 @@ def optimizer_report(mesh, train, state=None, layout="fsdp"):
 
 
 @pytest.fixture(scope="module")
-def stage2_programs():
+def stage2_temporaries():
+    """{(schedule, M): (the train step's temporaries per device, its collectives)} at
+    stage 2 x data 2 x fsdp 2 for M microbatches of 4 rows (one a batch rank); gpipe's
+    M = 4 is also the step the HLO tests read."""
+    mesh = make_mesh(MeshConfig(stage=2, data=2, fsdp=2))
+    out = {}
+    for schedule, m in [("gpipe", 4), ("gpipe", 8), ("1f1b", 4), ("1f1b", 8)]:
+        train = dataclasses.replace(TRAIN, pipeline=PipelineConfig(schedule))
+        _, _, state, step = setup(mesh, "fsdp", MODEL, train, m)
+        tokens = jax.device_put(jax.random.randint(jax.random.key(m), (4 * m, T + 1), 0,
+                                                   MODEL.vocab_size))
+        compiled = step.lower(state, tokens).compile()
+        out[schedule, m] = (compiled.memory_analysis().temp_size_in_bytes,
+                            hlo.parse_collectives(compiled.as_text(), mesh))
+    return out
+
+
+@pytest.fixture(scope="module")
+def stage2_programs(stage2_temporaries):
     """The train step and the Muon and SOAP optimizer steps of stage 2 x data 2 x fsdp 2,
     4 microbatches."""
     mesh = make_mesh(MeshConfig(stage=2, data=2, fsdp=2))
-    layout, optimizer, state, step = setup(mesh, "fsdp", MODEL, TRAIN, 4)
-    tokens = jax.device_put(batches()[0])
-    return (hlo_collectives(step, state, tokens), optimizer_report(mesh, TRAIN, state),
+    return (stage2_temporaries["gpipe", 4][1], optimizer_report(mesh, TRAIN),
             optimizer_report(mesh, dataclasses.replace(TRAIN, optim="soap")))
 
 
@@ -156,16 +169,6 @@ def test_the_optimizer_step_sends_nothing_across_stages(stage2_programs):
             opt.table()
 
 
-@pytest.mark.parametrize("layout, mesh_config", [
-    ("owner", MeshConfig(stage=2, fsdp=4)), ("layerwise", MeshConfig(stage=2, data=2, fsdp=2))])
-def test_padded_owner_and_layerwise_stages_equal_one_device(layout, mesh_config,
-                                                            padded_reference):
-    """Stages of 3 layers (the last 2) in owner groups of 4 (each stage padded on
-    its own); stages whose 3 layers layerwise deals round-robin over 4 owners."""
-    chex.assert_trees_all_close(three_steps(mesh_config, layout, model=PADDED),
-                                padded_reference, rtol=1e-5, atol=1e-6)
-
-
 # One dense layer, then 5 MoE layers with auxiliary-loss-free balancing: two stacks, each
 # padded on the stages (the dense one on every stage but the first).
 MOE_MODEL = dataclasses.replace(MODEL, n_layers=6, moe=MoEConfig(
@@ -192,15 +195,13 @@ def assert_padding_is_zero(params):
 
 
 @pytest.mark.parametrize("mesh_config, layout, remat", [
-    (MeshConfig(stage=2, fsdp=2, tensor=2), "fsdp", "none"),
     (MeshConfig(stage=2, fsdp=2, tensor=2), "owner", "none"),
     (MeshConfig(stage=2, fsdp=2, tensor=2), "layerwise", "full"),
     (MeshConfig(stage=4, data=2, fsdp=1), "layerwise", "dots"),
     (MeshConfig(stage=4, data=2, fsdp=1), "owner", "none"),
     (MeshConfig(stage=2, data=2, fsdp=1, expert=2), "fsdp", "none"),
-], ids=["stage2_fsdp2_tensor2", "stage2_fsdp2_tensor2_owner",
-        "stage2_fsdp2_tensor2_layerwise_remat", "stage4_data2_layerwise_remat",
-        "stage4_data2_owner", "stage2_data2_expert2"])
+], ids=["stage2_fsdp2_tensor2_owner", "stage2_fsdp2_tensor2_layerwise_remat",
+        "stage4_data2_layerwise_remat", "stage4_data2_owner", "stage2_data2_expert2"])
 def test_moe_three_steps_equal_one_device(mesh_config, layout, remat, moe_reference):
     """Each MoE layer maps over the stage's other axes (experts, tensor, batch) inside
     the pipeline's map (sharding.nested); the expert biases move with the stage's
@@ -223,18 +224,16 @@ def test_moe_experts_exchange_within_each_stage():
     assert_only_activations_cross_stages(report, pipelines=2)
 
 
-@pytest.mark.parametrize("model", [MODEL, dataclasses.replace(MOE_MODEL, n_layers=4)],
-                         ids=["dense", "moe"])
-def test_soap_layerwise_stages_step_like_one_device(model):
+def test_soap_layerwise_stages_step_like_one_device():
     """SOAP under layerwise x stages: three optimizer steps on the same gradients equal
-    one device's. (Trained end to end, SOAP under any sharding differs from one device
+    one device's (MoE stacks place their state as dense ones do). (Trained end to end, SOAP under any sharding differs from one device
     by up to 2e-2 after three steps, stages or not: its first eigenbases come from
     nearly degenerate factors, so the order of the gradient sum over ranks rotates
     them; docs/troubleshooting.md.)"""
     train = dataclasses.replace(TRAIN, optim="soap")
 
     def steps(mesh, layout, grads=None):
-        _, optimizer, _, state = helpers.build(mesh, layout, model, train)
+        _, optimizer, _, state = helpers.build(mesh, layout, MODEL, train)
         step = jax.jit(helpers.optimizer_step(optimizer.tx))
         params, opt_state = state.params, state.opt_state
         grads = grads or [helpers.grads_of(params, i) for i in range(3)]
@@ -283,31 +282,35 @@ def test_owner_stages_optimizer_step_has_no_collective(optim, pipeline):
 CIRCULAR = dataclasses.replace(TRAIN, pipeline=PipelineConfig("circular", repeats=2))
 
 
+NINE = dataclasses.replace(MODEL, n_layers=9)   # 4 stages x 2 chunks of 2 slots: 7 padding
+
+
 @pytest.fixture(scope="module")
 def nine_layer_reference():
-    return three_steps(MeshConfig(fsdp=1), model=dataclasses.replace(MODEL, n_layers=9),
-                       devices=1, microbatches=1)
+    return three_steps(MeshConfig(fsdp=1), model=NINE, devices=1, microbatches=1)
 
 
-@pytest.mark.parametrize("mesh_config, layout, model, reference", [
+@pytest.mark.parametrize("mesh_config, layout, model, want", [
     (MeshConfig(stage=2, fsdp=2, tensor=2), "owner", PADDED, "padded_reference"),
-    (MeshConfig(stage=4, data=2, fsdp=1), "layerwise", dataclasses.replace(MODEL, n_layers=9),
-     "nine_layer_reference"),
-    (MeshConfig(stage=2, data=2, fsdp=1, expert=2), "fsdp", MOE_MODEL, "moe_reference"),
+    (MeshConfig(stage=2, fsdp=2, tensor=2), "layerwise", MODEL, "reference"),
+    (MeshConfig(stage=4, data=2, fsdp=1), "layerwise", NINE, "nine_layer_reference"),
+    (MeshConfig(stage=4, data=2, fsdp=1), "owner", NINE, "nine_layer_reference"),
+    (MeshConfig(stage=2, fsdp=2, tensor=2), "owner", MOE_MODEL, "moe_reference"),
     (MeshConfig(stage=2, fsdp=2, tensor=2), "layerwise",
      dataclasses.replace(MOE_MODEL, remat="full"), "moe_reference"),
-], ids=["stage2_fsdp2_tensor2_owner_padded", "stage4_data2_layerwise_padded",
-        "moe_stage2_expert2",
-        "moe_stage2_fsdp2_tensor2_layerwise_remat"])
-def test_circular_three_steps_equal_one_device(mesh_config, layout, model, reference, request):
+], ids=["stage2_fsdp2_tensor2_owner_padded", "stage2_fsdp2_tensor2_layerwise",
+        "stage4_data2_layerwise_padded", "stage4_data2_owner_padded",
+        "moe_stage2_fsdp2_tensor2_owner", "moe_stage2_fsdp2_tensor2_layerwise_remat"])
+def test_circular_three_steps_equal_one_device(mesh_config, layout, model, want, request):
     """Two chunks a stage, interleaved (stage s holds chunks s and S + s; under owner
     each chunk in its own groups), the last chunks padded where S x 2 does not divide
     a stack: the microbatches go around the stages twice, and the run equals one
     device."""
     got = three_steps(mesh_config, layout, model=model, train=CIRCULAR, keep=True)
-    chex.assert_trees_all_close(ungroup(got), request.getfixturevalue(reference),
+    chex.assert_trees_all_close(ungroup(got), request.getfixturevalue(want),
                                 rtol=1e-5, atol=1e-6)
-    assert_padding_is_zero(got)
+    if model is not MODEL:
+        assert_padding_is_zero(got)
 
 
 def test_circular_runs_its_ticks_and_only_activations_cross_stages():
@@ -333,19 +336,15 @@ def moe_only_reference():
 
 @pytest.mark.parametrize("mesh_config, layout, model, want", [
     (MeshConfig(stage=2, fsdp=2, tensor=2), "owner", PADDED, "padded_reference"),
-    (MeshConfig(stage=2, fsdp=2, tensor=2), "layerwise", MODEL, "reference"),
-    (MeshConfig(stage=4, data=2, fsdp=1), "owner", MODEL, "reference"),
     (MeshConfig(stage=4, data=2, fsdp=1), "layerwise", PADDED, "padded_reference"),
     (MeshConfig(stage=2, fsdp=2, tensor=2), "owner", MOE_ONLY, "moe_only_reference"),
     (MeshConfig(stage=2, fsdp=2, tensor=2), "layerwise",
      dataclasses.replace(MOE_ONLY, remat="full"), "moe_only_reference"),
     (MeshConfig(stage=4, data=2, fsdp=1), "owner", MOE_ONLY, "moe_only_reference"),
-    (MeshConfig(stage=4, data=2, fsdp=1), "layerwise", MOE_ONLY, "moe_only_reference"),
     (MeshConfig(stage=2, data=2, fsdp=1, expert=2), "fsdp", MOE_ONLY, "moe_only_reference"),
-], ids=["stage2_fsdp2_tensor2_owner_padded", "stage2_fsdp2_tensor2_layerwise",
-        "stage4_data2_owner", "stage4_data2_layerwise_padded", "moe_stage2_fsdp2_tensor2_owner",
-        "moe_stage2_fsdp2_tensor2_layerwise_remat", "moe_stage4_data2_owner",
-        "moe_stage4_data2_layerwise", "moe_stage2_expert2"])
+], ids=["stage2_fsdp2_tensor2_owner_padded", "stage4_data2_layerwise_padded",
+        "moe_stage2_fsdp2_tensor2_owner", "moe_stage2_fsdp2_tensor2_layerwise_remat",
+        "moe_stage4_data2_owner", "moe_stage2_expert2"])
 def test_1f1b_three_steps_equal_one_device(mesh_config, layout, model, want, request):
     """1f1b's own backward (sharding.pipeline_1f1b): each stage recomputes its layers
     from the inputs it kept, the head's gradient starts each microbatch's backward, the
@@ -357,22 +356,6 @@ def test_1f1b_three_steps_equal_one_device(mesh_config, layout, model, want, req
                                 rtol=1e-5, atol=1e-6)
     if model is not MODEL:
         assert_padding_is_zero(got)
-
-
-@pytest.fixture(scope="module")
-def stage2_temporaries():
-    """{(schedule, M): (the train step's temporaries per device, its collectives)} at
-    stage 2 x data 2 x fsdp 2 for M microbatches of 4 rows (one a batch rank)."""
-    mesh = make_mesh(MeshConfig(stage=2, data=2, fsdp=2))
-    out = {}
-    for schedule, m in [("gpipe", 4), ("gpipe", 8), ("1f1b", 4), ("1f1b", 8)]:
-        train = dataclasses.replace(TRAIN, pipeline=PipelineConfig(schedule))
-        _, _, state, step = setup(mesh, "fsdp", MODEL, train, m)
-        tokens = jax.random.randint(jax.random.key(0), (4 * m, T + 1), 0, MODEL.vocab_size)
-        compiled = step.lower(state, tokens).compile()
-        out[schedule, m] = (compiled.memory_analysis().temp_size_in_bytes,
-                            hlo.parse_collectives(compiled.as_text(), mesh))
-    return out
 
 
 def test_1f1b_temporaries_do_not_grow_with_the_microbatches(stage2_temporaries):
@@ -402,6 +385,22 @@ def test_1f1b_runs_its_ticks_and_only_activations_cross_stages_in_them(m, stage2
     weights = 2 * MODEL.vocab * d // 2 * 4 + d * 4
     once = sum(c.bytes_per_device for c in crossing if c.executions == 1)
     assert weights <= once < weights + rows * T * d * 4, report.table()
+
+
+def test_bf16_pipelines_compile_and_agree():
+    """bf16 at stage 2 x fsdp 4: XLA:CPU aborted compiling GPipe's bf16 sums over the
+    stages (sharding.pipeline.stage_sum_dtype); GPipe's first step and 1f1b's, two
+    orders of the same bf16 computation, agree to bf16's precision."""
+    mesh = make_mesh(MeshConfig(stage=2, data=1, fsdp=4))
+    model = dataclasses.replace(MODEL, dtype="bfloat16")
+    metrics = {}
+    for schedule in ("gpipe", "1f1b"):
+        train = dataclasses.replace(TRAIN, pipeline=PipelineConfig(schedule))
+        _, _, state, step = setup(mesh, "fsdp", model, train, 4)
+        metrics[schedule] = step(state, batches()[0])[1]
+    for key in ("loss", "grad_norm"):
+        a, b = (float(metrics[s][key]) for s in ("gpipe", "1f1b"))
+        assert np.isfinite(a) and a == pytest.approx(b, rel=1e-2), (key, a, b)
 
 
 def test_a_nested_map_differentiates_inside_a_scan_of_a_stage():

@@ -189,9 +189,10 @@ class PipelineRunner(StackRunner):
         run_chunk = lambda x, r: self.run_chunk(stack, blocks, x, r)
 
         # Varying from here: the input's gradient is summed over the stages once, not
-        # at every tick.
-        xm = varying(xm)
-        _, stats_shape = jax.eval_shape(run_chunk, xm[0], 0)
+        # at every tick (as the outputs are, in ``wide``).
+        dtype, wide = xm.dtype, stage_sum_dtype(xm.dtype)
+        xm = varying(xm.astype(wide))
+        _, stats_shape = jax.eval_shape(run_chunk, xm[0].astype(dtype), 0)
         outs = jnp.zeros_like(xm)
         stats = jax.tree.map(lambda a: varying(jnp.zeros((v * m, *a.shape), a.dtype)),
                              stats_shape)
@@ -211,15 +212,27 @@ class PipelineRunner(StackRunner):
                 around = keep(around, received, (stage == 0) & (back >= 0)
                               & (back < (v - 1) * m), jnp.clip(back, 0, v * m - 1) % m)
                 fresh = jnp.where(repeat == 0, fresh, at(around, k))
-            y, st = run_chunk(jnp.where(stage == 0, fresh, received), repeat)
+            y, st = run_chunk(jnp.where(stage == 0, fresh, received).astype(dtype), repeat)
             outs = keep(outs, y, valid & (repeat == v - 1), k)
             stats = jax.tree.map(lambda buf, new: keep(buf, new, valid, item), stats, st)
             return (jax.lax.ppermute(y, axis, pairs), around, outs, stats), None
 
-        start = (jnp.zeros_like(xm[0]), jnp.zeros_like(xm) if v > 1 else None, outs, stats)
+        start = (jnp.zeros_like(xm[0], dtype), jnp.zeros_like(xm) if v > 1 else None, outs,
+                 stats)
         (_, _, outs, stats), _ = jax.lax.scan(tick, start, jnp.arange(v * m + s_count - 1))
-        last = jax.lax.psum(jnp.where(stage == s_count - 1, outs, 0), axis)
+        last = jax.lax.psum(jnp.where(stage == s_count - 1, outs, 0), axis).astype(dtype)
         return last, jax.tree.map(lambda a: a.reshape(v, m, *a.shape[1:])[None], stats)
+
+
+def stage_sum_dtype(dtype) -> jnp.dtype:
+    """The dtype a pipeline's activations are summed over the stages in: their own,
+    but float32 for bfloat16 on XLA:CPU. Its pass that widens bf16 all-reduces to f32
+    (AllReducePromotion) aborts the compiler ("Invalid binary instruction opcode
+    copy") on the reduction JAX lowers inside a map manual over some mesh axes, whose
+    body ends in a sharding constraint (jax 0.10.2). The sums add one stage's values
+    to zeros: exact in either dtype."""
+    cpu = jax.devices()[0].platform == "cpu"
+    return jnp.dtype(jnp.float32) if cpu and dtype == jnp.bfloat16 else jnp.dtype(dtype)
 
 
 def over_stages(fn, mesh: jax.sharding.Mesh, rules) -> Callable:
