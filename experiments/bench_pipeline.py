@@ -130,7 +130,7 @@ def parser() -> argparse.ArgumentParser:
     parser.add_argument("--per-stage", type=int, nargs="+", default=[1, 2, 4],
                         help="microbatches per stage k: M = k * S")
     parser.add_argument("--schedules", nargs="+", default=["gpipe", "circular", "1f1b"],
-                        choices=SCHEDULES)
+                        choices=tuple(SCHEDULES))
     parser.add_argument("--repeats", type=int, nargs="+", default=[2],
                         help="chunks a stage V of the circular schedule (2 and more)")
     parser.add_argument("--optim", default="adamw", choices=optimizer_names())

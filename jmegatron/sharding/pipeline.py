@@ -52,7 +52,9 @@ from jmegatron.sharding.rules import (ACT_EMBED, BATCH, SEQ, STAGES, active_mesh
 from jmegatron.sharding.runners import ScanRunner, Stack, StackRunner
 from jmegatron.sharding.stacks import StackShape
 
-SCHEDULES = ("gpipe", "circular", "1f1b")
+# Each schedule and its bubble (``bubble``), as the startup line prints it.
+SCHEDULES = {"gpipe": "(S-1)/(M+S-1)", "circular": "(S-1)/(V M+S-1)",
+             "1f1b": "(2S-2)/(M+2S-2)"}
 
 
 def ticks(stages: int, microbatches: int, repeats: int = 1, schedule: str = "gpipe") -> int:
@@ -89,7 +91,7 @@ class PipelineRunner(StackRunner):
                              f">= {self.stages}")
         if self.schedule not in SCHEDULES:
             raise ValueError(f"unknown pipeline schedule {self.schedule!r}; choose one of "
-                             f"{SCHEDULES}")
+                             f"{tuple(SCHEDULES)}")
         if (self.schedule == "circular") != (self.repeats > 1):
             raise ValueError(f"the {self.schedule} schedule with {self.repeats} chunks a "
                              f"stage: circular needs repeats >= 2, the others 1")

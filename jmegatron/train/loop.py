@@ -23,7 +23,7 @@ from jmegatron.data.batches import require_window
 from jmegatron.models import GPT, GPTConfig, hf, qk_clipper, validate_sharding
 from jmegatron.sharding import MeshConfig, Rules, logical_to_spec, make_mesh
 from jmegatron.sharding.layouts import Layout, make_layout
-from jmegatron.sharding.pipeline import bubble, ticks
+from jmegatron.sharding.pipeline import SCHEDULES, bubble, ticks
 from jmegatron.sharding import rules as ax
 from jmegatron.train import run_folder
 from jmegatron.train.checkpoint import (Checkpointer, CheckpointDamaged, CheckpointError, FORMAT,
@@ -396,11 +396,9 @@ class Run:
                          + " layers (a pipeline per stack)")
             v, name = t.cfg.pipeline.repeats, t.cfg.pipeline.schedule
             schedule = f"circular in {v} chunks a stage" if v > 1 else name
-            formula = {"gpipe": "(S-1)/(M+S-1)", "circular": "(S-1)/(V M+S-1)",
-                       "1f1b": "(2S-2)/(M+2S-2)"}[name]
             t.log(f"pipeline: {stages} stages of {per_stage}, {schedule} over {micro} "
                   f"microbatches: {ticks(stages, micro, v, name)} ticks per pass, bubble "
-                  f"{formula} = {bubble(stages, micro, v, name):.1%}")
+                  f"{SCHEDULES[name]} = {bubble(stages, micro, v, name):.1%}")
         warmup = t.cfg.schedule.warmup_steps
         if warmup > t.cfg.steps:
             t.log(f"note: --schedule.warmup-steps {warmup} is longer than the run (--steps "
