@@ -198,9 +198,6 @@ class PipelineRunner(StackRunner):
         outs = jnp.zeros_like(xm)
         stats = jax.tree.map(lambda a: varying(jnp.zeros((v * m, *a.shape), a.dtype)),
                              stats_shape)
-        at = lambda buf, i: jax.lax.dynamic_index_in_dim(buf, i, 0, keepdims=False)
-        keep = lambda buf, new, ok, i: jax.lax.dynamic_update_index_in_dim(
-            buf, jnp.where(ok, new, at(buf, i)), i, 0)
 
         def tick(carry, t):
             received, around, outs, stats = carry
@@ -283,6 +280,16 @@ def staged_leaves(params):
 
     return ([x for x, f in zip(leaves, flags) if not f], [x for x, f in zip(leaves, flags) if f],
             rebuild)
+
+
+def at(buf: jax.Array, i) -> jax.Array:
+    """Slot ``i`` of a tick loop's buffer [N, ...]."""
+    return jax.lax.dynamic_index_in_dim(buf, i, 0, keepdims=False)
+
+
+def keep(buf: jax.Array, new: jax.Array, ok, i) -> jax.Array:
+    """``buf`` with ``new`` in slot ``i`` where ``ok`` (a tick with work), else as it was."""
+    return jax.lax.dynamic_update_index_in_dim(buf, jnp.where(ok, new, at(buf, i)), i, 0)
 
 
 def _from_every_stage(a: jax.Array, axis, stages: int) -> jax.Array:

@@ -44,6 +44,7 @@ import jax
 import jax.numpy as jnp
 
 from jmegatron.sharding import nested
+from jmegatron.sharding.pipeline import at, keep
 from jmegatron.sharding.rules import ACT_EMBED, BATCH, SEQ, constrain
 from jmegatron.sharding.runners import Stack
 from jmegatron.sharding.stacks import StackShape
@@ -91,9 +92,6 @@ def _schedule(runner, stack: Stack, pieces: Pieces, axis, rest, staged, tokens):
     varying = lambda a: jax.lax.pcast(a, axis, to="varying")
     b = tokens.shape[0] // m
     micro = tokens.reshape(b, m, tokens.shape[1]).swapaxes(0, 1)   # rows k, k + M, ...
-    at = lambda buf, i: jax.lax.dynamic_index_in_dim(buf, i, 0, keepdims=False)
-    keep = lambda buf, new, ok, i: jax.lax.dynamic_update_index_in_dim(
-        buf, jnp.where(ok, new, at(buf, i)), i, 0)
     masked = lambda tree, ok: jax.tree.map(lambda g: jnp.where(ok, g, 0).astype(g.dtype), tree)
     add = lambda a, b: jax.tree.map(jnp.add, a, b)
     activations = lambda x: constrain(x, (BATCH, SEQ, ACT_EMBED))
