@@ -17,6 +17,7 @@ from flax import nnx
 
 import helpers
 from cli_runs import SMALL, main
+from experiments.train import parse
 from jmegatron.models import GPTConfig, MoEConfig, qk_clipper
 from jmegatron.models.gpt import real_layers, ungroup
 from jmegatron.optim import trainable_params
@@ -24,8 +25,8 @@ from jmegatron.sharding import MeshConfig, hlo, hlo_collectives, make_mesh, nest
 from jmegatron.sharding.layouts import make_layout
 from jmegatron.sharding.pipeline import PipelineRunner, bubble
 from jmegatron.sharding.stacks import stack_of
-from jmegatron.train import (AdamWConfig, PipelineConfig, ScheduleConfig, TrainConfig, make_loss_fn,
-                             make_train_step)
+from jmegatron.train import (AdamWConfig, PipelineConfig, ScheduleConfig, TrainConfig, Trainer,
+                             make_loss_fn, make_train_step)
 
 MODEL = GPTConfig(vocab_size=300, d_model=32, n_layers=4, n_heads=4, n_kv_heads=2,
                   d_ff=64).pad_vocab(2)
@@ -461,22 +462,35 @@ def losses(run_dir) -> dict:
     return {r["step"]: r["loss"] for r in records if "loss" in r}
 
 
-def test_the_cli_trains_a_pipeline_and_resumes_it_exactly(tmp_path, capsys):
+def test_a_pipeline_run_from_the_cli_flags_stops_and_resumes_exactly(tmp_path):
     """A dense first layer and 3 MoE layers (expert biases included) over 2 stages of
-    data 2 x expert 2, stopped and resumed from its checkpoint."""
+    data 2 x expert 2, stopped and resumed from its checkpoint (the three runs share
+    one set of programs: ``Trainer(programs=...)``)."""
     moe = ["--model.n-layers", "4", "--model.moe.n-experts", "4", "--model.moe.d-ff", "16",
            "--model.moe.first-dense", "1", "--model.moe.bias-rate", "0.01"]
     args = [*SMALL, *moe, "--mesh.stage", "2", "--mesh.data", "2", "--mesh.fsdp", "1",
             "--mesh.expert", "2", "--mesh.tensor", "1", "--microbatches", "2", "--steps", "4",
             "--out-dir", str(tmp_path)]
-    assert main(*args, "--name", "straight") is None
+    lines = []
+    straight = Trainer(parse([*args, "--name", "straight"]), log=lines.append)
+    straight.run()
     assert ("pipeline: 2 stages of 1 dense + 2 MoE layers (a pipeline per stack), gpipe over "
-            "2 microbatches: 3 ticks per pass, bubble (S-1)/(M+S-1) = 33.3%"
-            ) in capsys.readouterr().out
-    assert main(*args, "--name", "halves", "--stop-after", "2") is None
-    assert main(*args, "--name", "halves", "--resume") is None
-    straight = losses(tmp_path / "straight")
-    assert len(straight) == 4 and straight == losses(tmp_path / "halves")
+            "2 microbatches: 3 ticks per pass, bubble (S-1)/(M+S-1) = 33.3%") in lines
+    for more in (["--stop-after", "2"], ["--resume"]):
+        Trainer(parse([*args, "--name", "halves", *more]), programs=straight.programs).run()
+    assert len(losses(tmp_path / "straight")) == 4
+    assert losses(tmp_path / "straight") == losses(tmp_path / "halves")
+
+
+def test_programs_of_other_settings_are_refused_in_one_line(tmp_path):
+    """Programs built for another learning rate or mesh are not run."""
+    args = [*SMALL, "--steps", "1", "--out-dir", str(tmp_path)]
+    first = Trainer(parse([*args, "--name", "a", "--mesh.stage", "2", "--mesh.data", "1",
+                           "--mesh.fsdp", "4", "--mesh.tensor", "1", "--microbatches", "2"]))
+    first.close()
+    with pytest.raises(ValueError, match="^the programs given were built for other settings: "
+                                         "mesh, fit_mesh, lr, microbatches, model, layout$"):
+        Trainer(parse([*args, "--name", "b", "--lr", "1e-3"]), programs=first.programs)
 
 
 def test_the_cli_refuses_fewer_microbatches_than_stages(tmp_path):

@@ -10,6 +10,7 @@ import signal
 import threading
 import time
 from pathlib import Path
+from typing import Callable, NamedTuple
 
 import jax
 import numpy as np
@@ -31,10 +32,10 @@ from jmegatron.train.checkpoint import (Checkpointer, CheckpointDamaged, Checkpo
 from jmegatron.train.config import ConfigError, TrainConfig
 from jmegatron.train.distributed import AnyProcess, barrier, is_main, same_on_all
 from jmegatron.train.metrics import MetricsWriter, jsonable, measure_matmul_rate
-from jmegatron.train.optimizer import make_optimizer
+from jmegatron.train.optimizer import Optimizer, make_optimizer
 from jmegatron.train.plots import plot_runs
 from jmegatron.train.sample import make_sampler, sample_texts
-from jmegatron.train.state import create_train_state
+from jmegatron.train.state import TrainState, state_initializer
 from jmegatron.train.step import make_eval_step, make_loss_fn, make_train_step
 
 
@@ -121,6 +122,63 @@ def plan_run(cfg: TrainConfig) -> Plan:
     return Plan(mesh, model, corpus, layout, run_dir)
 
 
+class Programs(NamedTuple):
+    """What a Trainer compiles: the state's builder and the train, eval and sample
+    steps (each jitted, compiled at its first call), with the mesh and optimizer
+    they are built on, and the settings they were built for (``programs_key``)."""
+
+    key: tuple
+    mesh: jax.sharding.Mesh
+    optimizer: Optimizer
+    graphdef: nnx.GraphDef
+    init: Callable[[], TrainState]
+    train_step: Callable
+    eval_step: Callable
+    sampler: Callable
+
+
+# Settings no compiled program depends on: Trainers that differ only in these (a run
+# stopped and resumed, the same run in another folder) can share their programs.
+UNCOMPILED = ("name", "out_dir", "stop_after", "resume", "resume_from", "init_from",
+              "overwrite", "allow_change", "checkpoint", "max_skipped", "eval_every",
+              "eval_batches", "log_every", "sample_prompt", "sample_tokens", "progress")
+_DEFAULTS = TrainConfig()
+
+
+def programs_key(cfg: TrainConfig, plan: Plan) -> tuple:
+    """What a run's programs depend on: ``cfg`` but its ``UNCOMPILED`` settings, the
+    resolved mesh, model and layout, and the devices."""
+    return (dataclasses.replace(cfg, **{f: getattr(_DEFAULTS, f) for f in UNCOMPILED}),
+            plan.mesh, plan.model, plan.layout, tuple(jax.devices()))
+
+
+def build_programs(cfg: TrainConfig, plan: Plan) -> Programs:
+    """The programs of a run of ``cfg`` on ``plan`` (nothing compiled yet)."""
+    mesh = make_mesh(plan.mesh)
+    make_model = lambda: GPT(plan.model, nnx.Rngs(cfg.seed))
+    optimizer = make_optimizer(cfg, nnx.split(nnx.eval_shape(make_model))[1], mesh, plan.layout)
+    graphdef, init = state_initializer(make_model, optimizer.tx, optimizer.plan)
+    # With pipeline stages the microbatches run inside the pipeline, not one by one.
+    inner, outer = ((cfg.microbatches, 1) if plan.layout.stages > 1
+                    else (1, cfg.microbatches))
+    loss_fn = make_loss_fn(graphdef, plan.model, mesh, plan.layout, cfg.z_loss, inner)
+    clip = qk_clipper(plan.model, cfg.qk_clip, cfg.qk_clip_alpha) if cfg.qk_clip else None
+    return Programs(programs_key(cfg, plan), mesh, optimizer, graphdef, init,
+                    make_train_step(loss_fn, optimizer, outer, mesh, plan.rules, clip),
+                    make_eval_step(loss_fn),
+                    make_sampler(graphdef, plan.model, mesh, plan.rules, cfg.top_k))
+
+
+def differences(key: tuple, other: tuple) -> list[str]:
+    """The settings in which two ``programs_key``s differ, by name."""
+    cfg, *rest = key
+    names = [f.name for f in dataclasses.fields(cfg)
+             if getattr(cfg, f.name) != getattr(other[0], f.name)]
+    resolved = [name for name, a, b in zip(("mesh", "model", "layout", "devices"), rest,
+                                           other[1:]) if a != b and name not in names]
+    return names + resolved
+
+
 class TrainingError(RuntimeError):
     """A run that cannot go on (its message is one line); the last checkpoint stays."""
 
@@ -129,19 +187,23 @@ class Trainer:
     """Everything a run needs, built once; ``run()`` trains."""
 
     def __init__(self, cfg: TrainConfig, plan: Plan | None = None, log=print,
-                 resume_command: str | None = None):
+                 resume_command: str | None = None, programs: Programs | None = None):
+        """``programs``: another Trainer's (``Trainer.programs``), to run without compiling
+        again; its settings may differ only in ``UNCOMPILED`` ones (a run stopped and
+        resumed in one process). Raises ValueError, naming the settings, otherwise."""
         cfg = resolve_model(cfg)
         plan = plan or plan_run(cfg)
         self.cfg, self.log = cfg, log if is_main() else (lambda *args, **kwargs: None)
         self.run_dir = plan.run_dir
         self.claim = run_folder.Claim(plan.run_dir, cfg)   # one trainer per run folder
         try:
-            self._build(plan, resume_command)
+            self._build(plan, resume_command, programs)
         except BaseException:   # a failed start leaves nothing that blocks a retry
             self.claim.release(started=False)
             raise
 
-    def _build(self, plan: Plan, resume_command: str | None) -> None:
+    def _build(self, plan: Plan, resume_command: str | None,
+               programs: Programs | None) -> None:
         cfg = self.cfg
         self.resume_command = resume_command or (
             f"the same settings with --resume --name {plan.run_dir.name} "
@@ -149,14 +211,19 @@ class Trainer:
         self.mesh_cfg, self.model_cfg, self.corpus, self.layout = (
             plan.mesh, plan.model, plan.corpus, plan.layout)
         self.rules = plan.rules
-        self.mesh = make_mesh(self.mesh_cfg)
+        if programs is None:
+            programs = build_programs(cfg, plan)
+        elif programs.key != programs_key(cfg, plan):
+            raise ValueError("the programs given were built for other settings: " +
+                             ", ".join(differences(programs.key, programs_key(cfg, plan))))
+        self.programs = programs
+        self.mesh, self.optimizer, self.graphdef = (programs.mesh, programs.optimizer,
+                                                    programs.graphdef)
+        self.train_step, self.eval_step, self.sampler = (programs.train_step,
+                                                         programs.eval_step, programs.sampler)
         self.batch_sharding = NamedSharding(self.mesh,
                                             logical_to_spec((ax.BATCH, ax.SEQ), self.rules))
-        make_model = lambda: GPT(self.model_cfg, nnx.Rngs(cfg.seed))
-        abstract_params = nnx.split(nnx.eval_shape(make_model))[1]
-        self.optimizer = make_optimizer(cfg, abstract_params, self.mesh, self.layout)
-        self.graphdef, self.state = create_train_state(make_model, self.optimizer.tx,
-                                                       self.optimizer.plan)
+        self.state = programs.init()
         if cfg.init_from and not (cfg.resume or cfg.resume_from):
             self.state = self.state._replace(params=self._initial_params())
         self.codecs = leaf_codecs(self.state, self.optimizer.plan)
@@ -167,17 +234,6 @@ class Trainer:
         self.checkpointer = Checkpointer(self.run_dir / "checkpoints", cfg.checkpoint)
         self.resumed: dict = {}   # where this run continues from, and what it changed
         self.start_step = self._resume() if cfg.resume or cfg.resume_from else 0
-        # With pipeline stages the microbatches run inside the pipeline, not one by one.
-        inner, outer = ((cfg.microbatches, 1) if self.layout.stages > 1
-                        else (1, cfg.microbatches))
-        loss_fn = make_loss_fn(self.graphdef, self.model_cfg, self.mesh, self.layout, cfg.z_loss,
-                               inner)
-        clip = qk_clipper(self.model_cfg, cfg.qk_clip, cfg.qk_clip_alpha) if cfg.qk_clip else None
-        self.train_step = make_train_step(loss_fn, self.optimizer, outer, self.mesh, self.rules,
-                                          clip)
-        self.eval_step = make_eval_step(loss_fn)
-        self.sampler = make_sampler(self.graphdef, self.model_cfg, self.mesh, self.rules,
-                                    cfg.top_k)
 
     def _initial_params(self) -> nnx.State:
         """--init-from's weights, read shard by shard, where the plan keeps params."""

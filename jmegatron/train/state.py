@@ -40,6 +40,13 @@ def create_train_state(make_model: Callable[[], nnx.Module], tx: optax.GradientT
     (``make_plan`` of the model's abstract params on a mesh), so no full copy of the
     model exists on the host or on one device. The optimizer gets the trained
     params only (``trainable_params``)."""
+    graphdef, init = state_initializer(make_model, tx, plan)
+    return graphdef, init()
+
+
+def state_initializer(make_model: Callable[[], nnx.Module], tx: optax.GradientTransformation,
+                      plan: ShardingPlan) -> tuple[nnx.GraphDef, Callable[[], TrainState]]:
+    """``create_train_state``'s graphdef and its jitted state builder, to call again."""
     graphdef, _ = nnx.split(nnx.eval_shape(make_model))
 
     def init() -> TrainState:
@@ -48,4 +55,4 @@ def create_train_state(make_model: Callable[[], nnx.Module], tx: optax.GradientT
         return TrainState(zero, params, tx.init(trainable_params(params)), zero)
 
     shardings = train_state_shardings(jax.eval_shape(init), plan)
-    return graphdef, jax.jit(init, out_shardings=shardings)()
+    return graphdef, jax.jit(init, out_shardings=shardings)
