@@ -281,6 +281,16 @@ def nine_layer_reference():
     return three_steps(MeshConfig(fsdp=1), model=NINE, devices=1, microbatches=1)
 
 
+# 1 dense + 9 MoE layers: 4 stages x 2 chunks need 8 layers of the MoE stack.
+MOE_TEN = dataclasses.replace(MOE_MODEL, n_layers=10)
+
+
+@pytest.fixture(scope="module")
+def moe_ten_reference():
+    return three_steps(MeshConfig(fsdp=1), model=MOE_TEN, devices=1, microbatches=1,
+                       accumulate=4)
+
+
 @pytest.mark.parametrize("mesh_config, layout, model, want", [
     (MeshConfig(stage=2, fsdp=2, tensor=2), "owner", PADDED, "padded_reference"),
     (MeshConfig(stage=2, fsdp=2, tensor=2), "layerwise", MODEL, "reference"),
@@ -289,9 +299,12 @@ def nine_layer_reference():
     (MeshConfig(stage=2, fsdp=2, tensor=2), "owner", MOE_MODEL, "moe_reference"),
     (MeshConfig(stage=2, fsdp=2, tensor=2), "layerwise",
      dataclasses.replace(MOE_MODEL, remat="full"), "moe_reference"),
+    (MeshConfig(stage=4, data=2, fsdp=1), "owner", MOE_TEN, "moe_ten_reference"),
+    (MeshConfig(stage=4, data=2, fsdp=1), "layerwise", MOE_TEN, "moe_ten_reference"),
 ], ids=["stage2_fsdp2_tensor2_owner_padded", "stage2_fsdp2_tensor2_layerwise",
         "stage4_data2_layerwise_padded", "stage4_data2_owner_padded",
-        "moe_stage2_fsdp2_tensor2_owner", "moe_stage2_fsdp2_tensor2_layerwise_remat"])
+        "moe_stage2_fsdp2_tensor2_owner", "moe_stage2_fsdp2_tensor2_layerwise_remat",
+        "moe_stage4_data2_owner", "moe_stage4_data2_layerwise"])
 def test_circular_three_steps_equal_one_device(mesh_config, layout, model, want, request):
     """Two chunks a stage, interleaved (stage s holds chunks s and S + s; under owner
     each chunk in its own groups), the last chunks padded where S x 2 does not divide
@@ -327,14 +340,18 @@ def moe_only_reference():
 
 @pytest.mark.parametrize("mesh_config, layout, model, want", [
     (MeshConfig(stage=2, fsdp=2, tensor=2), "owner", PADDED, "padded_reference"),
+    (MeshConfig(stage=2, fsdp=2, tensor=2), "layerwise", MODEL, "reference"),
+    (MeshConfig(stage=4, data=2, fsdp=1), "owner", MODEL, "reference"),
     (MeshConfig(stage=4, data=2, fsdp=1), "layerwise", PADDED, "padded_reference"),
     (MeshConfig(stage=2, fsdp=2, tensor=2), "owner", MOE_ONLY, "moe_only_reference"),
     (MeshConfig(stage=2, fsdp=2, tensor=2), "layerwise",
      dataclasses.replace(MOE_ONLY, remat="full"), "moe_only_reference"),
     (MeshConfig(stage=4, data=2, fsdp=1), "owner", MOE_ONLY, "moe_only_reference"),
-], ids=["stage2_fsdp2_tensor2_owner_padded", "stage4_data2_layerwise_padded",
+    (MeshConfig(stage=4, data=2, fsdp=1), "layerwise", MOE_ONLY, "moe_only_reference"),
+], ids=["stage2_fsdp2_tensor2_owner_padded", "stage2_fsdp2_tensor2_layerwise",
+        "stage4_data2_owner", "stage4_data2_layerwise_padded",
         "moe_stage2_fsdp2_tensor2_owner", "moe_stage2_fsdp2_tensor2_layerwise_remat",
-        "moe_stage4_data2_owner"])
+        "moe_stage4_data2_owner", "moe_stage4_data2_layerwise"])
 def test_1f1b_three_steps_equal_one_device(mesh_config, layout, model, want, request):
     """1f1b's own backward (sharding.pipeline_1f1b): each stage recomputes its layers
     from the inputs it kept, the head's gradient starts each microbatch's backward, the
