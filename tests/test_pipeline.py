@@ -396,7 +396,7 @@ def test_1f1b_runs_its_ticks_and_only_activations_cross_stages_in_them(m, stage2
 
 def test_bf16_pipelines_compile_and_agree():
     """bf16 at stage 2 x fsdp 4: XLA:CPU aborted compiling GPipe's bf16 sums over the
-    stages (sharding.pipeline.stage_sum_dtype); GPipe's first step and 1f1b's, two
+    stages (sharding.rules.sum_dtype); GPipe's first step and 1f1b's, two
     orders of the same bf16 computation, agree to bf16's precision."""
     mesh = make_mesh(MeshConfig(stage=2, data=1, fsdp=4))
     model = dataclasses.replace(MODEL, dtype="bfloat16")

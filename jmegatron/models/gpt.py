@@ -50,7 +50,8 @@ class GPT(nnx.Module):
 
     def __init__(self, cfg: GPTConfig, rngs: nnx.Rngs):
         self.cfg = cfg
-        self.embed = param(rngs, (cfg.vocab, cfg.d_model), (ax.VOCAB, ax.EMBED), cfg.init_std)
+        self.embed = param(rngs, (cfg.vocab, cfg.d_model), (ax.VOCAB, ax.EMBED), cfg.init_std,
+                           cfg.dtype)
         zero_padding(self.embed, cfg.vocab_size, axis=0)
 
         def stacked(make: type[nnx.Module], n: int) -> nnx.Module:
@@ -69,7 +70,8 @@ class GPT(nnx.Module):
             split_stack(self.moe_blocks, cfg)
         self.final_norm = param(rngs, (cfg.d_model,), (ax.NORM,), None)
         if not cfg.tie_embeddings:
-            self.head = param(rngs, (cfg.d_model, cfg.vocab), (ax.EMBED, ax.VOCAB), cfg.init_std)
+            self.head = param(rngs, (cfg.d_model, cfg.vocab), (ax.EMBED, ax.VOCAB), cfg.init_std,
+                              cfg.dtype)
             zero_padding(self.head, cfg.vocab_size, axis=1)
 
     def __call__(self, tokens: jax.Array, return_aux: bool = False):
@@ -137,12 +139,9 @@ class GPT(nnx.Module):
 
         if cfg.remat != "none":
             one_layer = jax.checkpoint(one_layer, policy=_REMAT[cfg.remat])
-        # Gradients are summed in the dtype each weight computes in (norm scales: fp32).
-        dtypes = tuple(jnp.float32 if ax.NORM in logical_axes_of(v) else cfg.dtype
-                       for v in jax.tree.leaves(state, is_leaf=_is_variable))
         layers = cfg.n_layers - cfg.dense_layers if moe else cfg.dense_layers
         return Stack(one_layer, state, start, layers - start if n is None else n,
-                     STATS if moe else (), dtypes, self_sharded=moe)
+                     STATS if moe else (), self_sharded=moe)
 
 
 def _is_variable(v) -> bool:

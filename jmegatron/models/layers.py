@@ -15,8 +15,11 @@ from jmegatron.sharding.rules import (active_mesh_and_rules, constrain, logical_
 
 
 def param(rngs: nnx.Rngs, shape: tuple[int, ...], logical: tuple[str | None, ...],
-          std: float | None) -> nnx.Param:
-    """An fp32 parameter, normal(0, std) (ones when std is None), named by logical axes.
+          std: float | None, compute: str = "float32") -> nnx.Param:
+    """An fp32 parameter, normal(0, std) (ones when std is None), named by logical axes,
+    that computes in ``compute`` (the model's dtype for matmul weights; fp32 for norm
+    scales and the router): runners gather it in that dtype and sum its gradient in it
+    (``rules.compute_dtype_of``).
 
     The names are logical, not mesh axes, so Flax must not try to shard the
     value with them (``eager_sharding=False``); ``create_sharded`` maps them
@@ -26,7 +29,7 @@ def param(rngs: nnx.Rngs, shape: tuple[int, ...], logical: tuple[str | None, ...
         value = jnp.ones(shape, jnp.float32)
     else:
         value = std * jax.random.normal(rngs.params(), shape, jnp.float32)
-    return nnx.Param(value, out_sharding=logical, eager_sharding=False)
+    return nnx.Param(value, out_sharding=logical, eager_sharding=False, compute_dtype=compute)
 
 
 def embed_lookup(table: jax.Array, tokens: jax.Array) -> jax.Array:
@@ -168,10 +171,12 @@ class Attention(nnx.Module):
         d, k, g, h = cfg.d_model, cfg.n_kv_heads, cfg.group_size, cfg.resolved_head_dim
         out_std = cfg.init_std / (2 * cfg.n_layers) ** 0.5
         self.qkv = param(rngs, (d, k, g + 2, h), (ax.EMBED, ax.KV_HEADS, ax.QKV, ax.HEAD_DIM),
-                         cfg.init_std)
+                         cfg.init_std, cfg.dtype)
         if cfg.qkv_bias:   # starts at zero
-            self.qkv_bias = param(rngs, (k, g + 2, h), (ax.KV_HEADS, ax.QKV, ax.HEAD_DIM), 0.0)
-        self.out = param(rngs, (cfg.n_heads, h, d), (ax.HEADS, ax.HEAD_DIM, ax.EMBED), out_std)
+            self.qkv_bias = param(rngs, (k, g + 2, h), (ax.KV_HEADS, ax.QKV, ax.HEAD_DIM), 0.0,
+                                  cfg.dtype)
+        self.out = param(rngs, (cfg.n_heads, h, d), (ax.HEADS, ax.HEAD_DIM, ax.EMBED), out_std,
+                         cfg.dtype)
         if cfg.qk_norm:
             self.q_norm = param(rngs, (h,), (ax.NORM,), None)
             self.k_norm = param(rngs, (h,), (ax.NORM,), None)
@@ -206,8 +211,8 @@ class SwiGLU(nnx.Module):
     def __init__(self, cfg: GPTConfig, rngs: nnx.Rngs):
         d, f = cfg.d_model, cfg.d_ff
         out_std = cfg.init_std / (2 * cfg.n_layers) ** 0.5
-        self.gate_up = param(rngs, (d, 2, f), (ax.EMBED, ax.GLU, ax.MLP), cfg.init_std)
-        self.down = param(rngs, (f, d), (ax.MLP, ax.EMBED), out_std)
+        self.gate_up = param(rngs, (d, 2, f), (ax.EMBED, ax.GLU, ax.MLP), cfg.init_std, cfg.dtype)
+        self.down = param(rngs, (f, d), (ax.MLP, ax.EMBED), out_std, cfg.dtype)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         gate_up = jnp.einsum("btd,dgf->btgf", x, self.gate_up[...].astype(x.dtype))

@@ -194,8 +194,9 @@ class MoE(nnx.Module):
                                           out_sharding=(None,), eager_sharding=False,
                                           rate=m.bias_rate)
         self.gate_up = param(rngs, (m.n_experts, d, 2, m.d_ff),
-                             (ax.EXPERTS, ax.EMBED, ax.GLU, ax.MLP), cfg.init_std)
-        self.down = param(rngs, (m.n_experts, m.d_ff, d), (ax.EXPERTS, ax.MLP, ax.EMBED), out_std)
+                             (ax.EXPERTS, ax.EMBED, ax.GLU, ax.MLP), cfg.init_std, cfg.dtype)
+        self.down = param(rngs, (m.n_experts, m.d_ff, d), (ax.EXPERTS, ax.MLP, ax.EMBED), out_std,
+                          cfg.dtype)
         if m.shared_d_ff:
             self.shared = SwiGLU(dataclasses.replace(cfg, d_ff=m.shared_d_ff), rngs)
         self.cfg = m

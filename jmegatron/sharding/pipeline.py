@@ -48,7 +48,7 @@ from jax.sharding import PartitionSpec as P
 
 from jmegatron.sharding.rules import (ACT_EMBED, BATCH, SEQ, STAGES, active_mesh_and_rules,
                                      activation_sharding, constrain, logical_axes_of,
-                                     mesh_axes_of)
+                                     mesh_axes_of, sum_dtype)
 from jmegatron.sharding.runners import ScanRunner, Stack, StackRunner
 from jmegatron.sharding.stacks import StackShape
 
@@ -192,7 +192,7 @@ class PipelineRunner(StackRunner):
 
         # Varying from here: the input's gradient is summed over the stages once, not
         # at every tick (as the outputs are, in ``wide``).
-        dtype, wide = xm.dtype, stage_sum_dtype(xm.dtype)
+        dtype, wide = xm.dtype, sum_dtype(xm.dtype)
         xm = varying(xm.astype(wide))
         _, stats_shape = jax.eval_shape(run_chunk, xm[0].astype(dtype), 0)
         outs = jnp.zeros_like(xm)
@@ -221,17 +221,6 @@ class PipelineRunner(StackRunner):
         (_, _, outs, stats), _ = jax.lax.scan(tick, start, jnp.arange(v * m + s_count - 1))
         last = jax.lax.psum(jnp.where(stage == s_count - 1, outs, 0), axis).astype(dtype)
         return last, jax.tree.map(lambda a: a.reshape(v, m, *a.shape[1:])[None], stats)
-
-
-def stage_sum_dtype(dtype) -> jnp.dtype:
-    """The dtype a pipeline's activations are summed over the stages in: their own,
-    but float32 for bfloat16 on XLA:CPU. Its pass that widens bf16 all-reduces to f32
-    (AllReducePromotion) aborts the compiler ("Invalid binary instruction opcode
-    copy") on the reduction JAX lowers inside a map manual over some mesh axes, whose
-    body ends in a sharding constraint (jax 0.10.2). The sums add one stage's values
-    to zeros: exact in either dtype."""
-    cpu = jax.devices()[0].platform == "cpu"
-    return jnp.dtype(jnp.float32) if cpu and dtype == jnp.bfloat16 else jnp.dtype(dtype)
 
 
 def over_stages(fn, mesh: jax.sharding.Mesh, rules) -> Callable:

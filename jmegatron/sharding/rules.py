@@ -14,6 +14,7 @@ import math
 from typing import Callable, Iterable, Mapping, Sequence
 
 import jax
+import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import NamedSharding, PartitionSpec as P
 
@@ -122,6 +123,14 @@ def logical_axes_of(node) -> tuple[str | None, ...] | None:
     return None if get_metadata is None else get_metadata().get("out_sharding")
 
 
+def compute_dtype_of(node) -> jnp.dtype:
+    """The dtype a Flax variable computes in (its ``compute_dtype`` metadata, set where
+    the model creates it: ``models.layers.param``); fp32 for anything else. Runners
+    gather a weight in it and sum its gradient in it."""
+    get_metadata = getattr(node, "get_metadata", None)
+    return jnp.dtype((get_metadata() if get_metadata else {}).get("compute_dtype", "float32"))
+
+
 def split_size(mesh_shape: Mapping[str, int], rules: Rules, logical: str) -> int:
     """How many parts the mesh axes the rules map ``logical`` to split it into."""
     return math.prod(mesh_shape.get(a, 1) for a in mesh_axes_of(logical, rules))
@@ -189,6 +198,38 @@ def without_axes(rules: Rules, axes: Iterable[str],
                  for name, entry in rules)
 
 
+def sum_dtype(dtype) -> jnp.dtype:
+    """The dtype a collective sums ``dtype`` values in: their own, but float32 for
+    bfloat16 on XLA:CPU. Its pass that widens bf16 all-reduces and reduce-scatters to
+    f32 (AllReducePromotion) aborts the compiler ("Invalid binary instruction opcode
+    copy") on a reduction JAX lowers inside a map manual over some mesh axes, whose
+    body ends in a sharding constraint (jax 0.10.2). Where the pass does not abort, it
+    sums in f32 anyway: summing in f32 here differs only by not rounding the sum."""
+    cpu = jax.devices()[0].platform == "cpu"
+    return jnp.dtype(jnp.float32) if cpu and dtype == jnp.bfloat16 else jnp.dtype(dtype)
+
+
+def gather_in(block: jax.Array, dtype, owners: tuple[str, ...], others: tuple[str, ...]):
+    """``block`` cast to ``dtype`` on its owner, then all-gathered over ``owners`` (in a
+    ``shard_map`` manual over them): bf16 on the wire for a bf16 weight, the same
+    values as casting the gathered fp32. Its gradient is reduce-scattered back in
+    ``dtype`` (``sum_dtype``), then summed over the ``others`` batch axes, and
+    reaches the master in its own dtype."""
+    master, wire = block.dtype, sum_dtype(dtype)
+
+    @jax.custom_vjp
+    def gather(b):
+        b = jax.lax.pcast(b.astype(dtype), others, to="varying") if others else b.astype(dtype)
+        return jax.lax.all_gather(b, owners, axis=0, tiled=True)
+
+    def backward(_, g):
+        d = jax.lax.psum_scatter(g.astype(wire), owners, scatter_dimension=0, tiled=True)
+        return ((jax.lax.psum(d, others) if others else d).astype(master),)
+
+    gather.defvjp(lambda b: (gather(b), None), backward)
+    return gather(block)
+
+
 # Collective outputs that run_gathered's backward keeps (``checkpoint_name``).
 EXCHANGED = "exchanged"
 _GATHERED = "gathered"   # run_gathered's whole weights, kept with keep=True
@@ -203,8 +244,10 @@ def _gathered_policy(keep: bool):
 
 def run_gathered(fn: Callable, x: jax.Array, leaves: Sequence[jax.Array],
                  leaf_axes: Sequence[Sequence[str | None]], name: str,
-                 summed: Iterable[str] = (), keep: bool = False):
-    """``fn(x, leaves)`` with each leaf gathered whole along its dim ``name`` (dim 0);
+                 summed: Iterable[str] = (), keep: bool = False,
+                 dtypes: Sequence[jnp.dtype] | None = None):
+    """``fn(x, leaves)`` with each leaf gathered whole along its dim ``name`` (dim 0),
+    in its ``dtypes`` entry (the dtype it computes in; None: its own, ``gather_in``);
     ``fn`` returns (x, per-layer stats, a dict), each stats leaf [layers, B, ...],
     except the entries ``summed``: [layers, ...], summed over the whole batch inside
     ``fn`` (MoE loads), the same on every rank.
@@ -223,6 +266,7 @@ def run_gathered(fn: Callable, x: jax.Array, leaves: Sequence[jax.Array],
     mesh, rules = active
     split = manual_split(mesh, rules, mesh_axes_of(name, rules), leaf_axes)
     manual, owners, summed = split.manual, split.owners, set(summed)
+    dtypes = [leaf.dtype for leaf in leaves] if dtypes is None else dtypes
 
     # Unless ``keep``, the backward gathers the weights again instead of keeping
     # every group's alive (which would hold all weights on every device): only the
@@ -235,10 +279,10 @@ def run_gathered(fn: Callable, x: jax.Array, leaves: Sequence[jax.Array],
         # Typed as varying over the other batch axes before the gather: the gradient's
         # sum over them (the cast's transpose) then runs after the reduce-scatter, on
         # this rank's part only, not on the whole group.
-        blocks = [jax.lax.pcast(b, tuple(a for a in manual if a not in varying(b)),
-                                to="varying") for b in blocks]
-        whole = [checkpoint_name(jax.lax.all_gather(b, owners, axis=0, tiled=True), _GATHERED)
-                 if owners else b for b in blocks]
+        others = lambda b: tuple(a for a in manual if a not in varying(b))
+        whole = [checkpoint_name(gather_in(b, dtype, owners, others(b)), _GATHERED) if owners
+                 else jax.lax.pcast(b, others(b), to="varying")
+                 for b, dtype in zip(blocks, dtypes)]
         with activation_sharding(jax.sharding.get_abstract_mesh(), split.inner_rules):
             x_block, stats = fn(x_block, whole)
         return x_block, ({k: v for k, v in stats.items() if k not in summed},

@@ -37,8 +37,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jmegatron.sharding.prefetch import run_prefetched
-from jmegatron.sharding.rules import (LAYERS, active_mesh_and_rules, logical_axes_of,
-                                     only_batch_axes_live, run_constrained, run_gathered)
+from jmegatron.sharding.rules import (LAYERS, active_mesh_and_rules, compute_dtype_of,
+                                     logical_axes_of, only_batch_axes_live, run_constrained,
+                                     run_gathered)
 from jmegatron.sharding.scatter import run_stack
 from jmegatron.sharding.stacks import StackShape, stack_of
 
@@ -55,12 +56,17 @@ class Stack(NamedTuple):
     start: int                       # the first layer to run
     n: int                           # how many
     summed: tuple[str, ...]          # stats the layer sums over the whole batch (MoE loads)
-    reduce_dtypes: tuple             # per weight leaf, the dtype its gradient is summed in
     self_sharded: bool               # the layers run a shard_map of their own (MoE)
 
     @property
     def leaves(self) -> list[jax.Array]:
         return jax.tree.leaves(self.state)
+
+    @property
+    def dtypes(self) -> tuple[jnp.dtype, ...]:
+        """Per leaf, the dtype it computes in (``rules.compute_dtype_of``)."""
+        return tuple(compute_dtype_of(v)
+                     for v in jax.tree.leaves(self.state, is_leaf=_is_variable))
 
     @property
     def shape(self) -> StackShape | None:
@@ -130,7 +136,7 @@ class ScatterRunner(StackRunner):
         if not stack.whole or stack.self_sharded:
             return super().__call__(stack, x)
         self.check(stack)
-        return run_stack(stack.scan, x, stack.leaves, stack.reduce_dtypes, self.owners)
+        return run_stack(stack.scan, x, stack.leaves, stack.dtypes, self.owners)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -167,7 +173,8 @@ class GroupedRunner(StackRunner):
             # Unrolled: XLA copies a carried group into a nested loop (prefetch.py).
             return run_prefetched(functools.partial(run, unroll=True), x, leaves, axes,
                                   LAYERS, sizes)
-        runner = (functools.partial(run_gathered, summed=stack.summed, keep=self.keep)
+        runner = (functools.partial(run_gathered, summed=stack.summed, keep=self.keep,
+                                    dtypes=stack.dtypes)
                   if manual else functools.partial(run_constrained, keep=self.keep))
 
         def run_group(x, group, size=self.group):

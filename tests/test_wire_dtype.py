@@ -1,0 +1,104 @@
+"""bf16 on the wire: under the owner layout a bf16 model's weights are cast to bf16 on
+their owners and gathered in bf16 (norm scales and the router, which compute in fp32,
+in fp32), and its gradients still equal one device's in bf16.
+
+XLA:CPU widens bf16 collectives to f32 when it compiles (its float normalization and
+AllReducePromotion passes; GPUs keep them bf16), so the gathers are read from the
+program jmegatron hands the compiler, before optimization."""
+
+import dataclasses
+import re
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+import helpers
+from jmegatron.models import GPTConfig, MoEConfig
+from jmegatron.models.gpt import ungroup
+from jmegatron.optim import trainable_params
+from jmegatron.sharding import MeshConfig, make_mesh
+from jmegatron.sharding.rules import compute_dtype_of
+from jmegatron.sharding.stacks import stack_of
+from jmegatron.train import AdamWConfig, ScheduleConfig, TrainConfig, make_loss_fn, make_train_step
+
+# One dense layer, three MoE layers: matmul weights, norm scales and routers.
+MODEL = GPTConfig(vocab_size=300, d_model=64, n_layers=4, n_heads=4, n_kv_heads=2, d_ff=128,
+                  moe=MoEConfig(n_experts=4, top_k=2, d_ff=32, first_dense=1)).pad_vocab(2)
+TRAIN = TrainConfig(lr=1e-2, steps=3, grad_clip=0.0, schedule=ScheduleConfig(warmup_steps=0),
+                    adamw=AdamWConfig(eps=1e-4))
+B, T = 16, 16
+MESH = MeshConfig(data=2, fsdp=4, tensor=1)
+
+
+def batches():
+    return [jax.random.randint(jax.random.key(i), (B, T + 1), 0, MODEL.vocab_size)
+            for i in range(3)]
+
+
+def setup(mesh, dtype):
+    model = dataclasses.replace(MODEL, dtype=dtype)
+    layout, optimizer, graphdef, state = helpers.build(mesh, "owner", model, TRAIN)
+    cfg = dataclasses.replace(model, **layout.stack_fields)
+    step = make_train_step(make_loss_fn(graphdef, cfg, mesh, layout), optimizer, 1, mesh,
+                           layout.rules)
+    return state, step
+
+
+def gathers(dtype):
+    """[(dtype, shape)] of every all-gather the owner train step asks for, and
+    {gathered shape: the dtype that weight computes in} of the stacked weights."""
+    mesh = make_mesh(MESH)
+    state, step = setup(mesh, dtype)
+    text = step.lower(state, jax.device_put(batches()[0])).compiler_ir("hlo").as_hlo_text()
+    found = re.findall(r"= (\w+)\[([\d,]*)\]\S* all-gather\(", text)
+    want = {}
+    for v in jax.tree.leaves(state.params, is_leaf=lambda v: isinstance(v, nnx.Variable)):
+        if stack_of(v) is not None:   # [G, g, ...]: gathered [g, ...]
+            want.setdefault(tuple(v[...].shape[1:]), set()).add(compute_dtype_of(v).name)
+    return found, want
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_owner_gathers_each_weight_in_the_dtype_it_computes_in(dtype):
+    """Each group of layers is gathered whole: in bf16 for the matmul weights of a bf16
+    model (half the bytes), in fp32 for its norm scales and routers, and all in fp32
+    for an fp32 model, as before."""
+    found, want = gathers(dtype)
+    short = {"float32": "f32", "bfloat16": "bf16"}
+    weights = [(kind, tuple(int(n) for n in dims.split(","))) for kind, dims in found
+               if tuple(int(n) for n in dims.split(",") if n) in want]
+    assert len(weights) >= 2 * 5, found   # every stacked leaf, forward and backward
+    for kind, shape in weights:
+        assert len(want[shape]) == 1, want   # one dtype per gathered shape
+        assert kind == short[dtype if want[shape] == {"bfloat16"} else "float32"], (kind, shape)
+    assert any(kind == "f32" for kind, _ in weights)   # norm scales, routers
+    assert dtype == "float32" or any(kind == "bf16" for kind, _ in weights)
+
+
+def bf16_gradients(mesh):
+    """The weight gradients of a bf16 dense model's loss on one batch, as [L, ...]
+    stacks."""
+    model = dataclasses.replace(MODEL, dtype="bfloat16", moe=MoEConfig())
+    layout, _, graphdef, state = helpers.build(mesh, "owner", model, TRAIN)
+    loss_fn = make_loss_fn(graphdef, dataclasses.replace(model, **layout.stack_fields), mesh,
+                           layout)
+    grad = jax.jit(jax.grad(lambda p, tokens: loss_fn(p, tokens)[0]))
+    return ungroup(grad(trainable_params(state.params), jax.device_put(batches()[0])))
+
+
+def test_bf16_owner_gradients_equal_one_device_in_bf16():
+    """Under owner (data 2 x fsdp 4) a bf16 model's gradients, through the bf16 gathers
+    and their reduce-scatters, equal one device's in bf16 to bf16 round-off: the
+    weights are the same bf16 values either way, but each rank's partial gradient is
+    rounded to bf16 before the sum over ranks (8 bits kept: a few roundings, 2% of the
+    largest entry, as test_layouts' bf16 layerwise-against-fsdp check). A dense model: in
+    an MoE model bf16 activations summed in another order can flip a token's top-k
+    experts, which changes the gradients by more than round-off (the fsdp layout's too)."""
+    got = bf16_gradients(make_mesh(MESH))
+    want = bf16_gradients(make_mesh(MeshConfig(fsdp=1), jax.devices()[:1]))
+    for path, a in jax.tree_util.tree_leaves_with_path(got):
+        b = np.asarray(dict(jax.tree_util.tree_leaves_with_path(want))[path])
+        np.testing.assert_allclose(np.asarray(a), b, rtol=0, atol=2e-2 * np.abs(b).max(),
+                                   err_msg=jax.tree_util.keystr(path))
