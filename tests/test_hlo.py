@@ -61,6 +61,26 @@ def test_table_lists_every_row(report):
         assert kind in text
 
 
+def test_bf16_collectives_count_at_bf16_width_where_xla_cpu_widens_them(mesh):
+    """XLA:CPU widens bf16 collectives to f32 (a convert before, another after): the
+    report counts them at 2 bytes an element, as an accelerator sends them; f32
+    values stay at 4."""
+    def body(x):                                       # x_block [8, 8] f32
+        half = x.astype(jnp.bfloat16)
+        return (lax.all_gather(half, "data", tiled=True).astype(jnp.float32).sum()
+                + lax.psum(half, "tensor").astype(jnp.float32).sum()
+                + lax.all_gather(x, "data", tiled=True).sum())
+
+    fn = jax.shard_map(body, mesh=mesh, in_specs=P("data", "tensor"), out_specs=P(),
+                       check_vma=False)
+    report = hlo_collectives(fn, jnp.ones((16, 32)), mesh=mesh)
+    n = 8 * 8   # elements of one block
+    gathers = sorted((c.widened, c.buffer_bytes) for c in report.select("all-gather"))
+    assert gathers == [(0, 2 * n * 4), (1, 2 * n * 2)], report.collectives
+    (summed,) = report.select("all-reduce", ("tensor",))
+    assert (summed.widened, summed.buffer_bytes) == (1, n * 2), summed
+
+
 def test_a_program_without_communication_has_none(mesh):
     fn = jax.jit(lambda x: x * 2, in_shardings=jax.NamedSharding(mesh, P("data")))
     report = hlo_collectives(fn, jnp.ones((8, 4)))

@@ -1,10 +1,12 @@
-"""bf16 on the wire: under the owner layout a bf16 model's weights are cast to bf16 on
-their owners and gathered in bf16 (norm scales and the router, which compute in fp32,
-in fp32), and its gradients still equal one device's in bf16.
+"""bf16 on the wire: under the owner and fsdp layouts a bf16 model's weights are cast to
+bf16 where they lie and gathered in bf16 (norm scales and the router, which compute in
+fp32, in fp32), and its gradients still equal one device's in bf16.
 
 XLA:CPU widens bf16 collectives to f32 when it compiles (its float normalization and
-AllReducePromotion passes; GPUs keep them bf16), so the gathers are read from the
-program jmegatron hands the compiler, before optimization."""
+AllReducePromotion passes; GPUs keep them bf16): the owner gathers are read from the
+program jmegatron hands the compiler, before optimization; the fsdp ones, which XLA
+places, from the compiled program, where ``hlo`` counts a widened buffer at 2 bytes an
+element (``Collective.widened``)."""
 
 import dataclasses
 import re
@@ -18,7 +20,7 @@ import helpers
 from jmegatron.models import GPTConfig, MoEConfig
 from jmegatron.models.gpt import ungroup
 from jmegatron.optim import trainable_params
-from jmegatron.sharding import MeshConfig, make_mesh
+from jmegatron.sharding import MeshConfig, hlo_collectives, make_mesh
 from jmegatron.sharding.rules import compute_dtype_of
 from jmegatron.sharding.stacks import stack_of
 from jmegatron.train import AdamWConfig, ScheduleConfig, TrainConfig, make_loss_fn, make_train_step
@@ -28,6 +30,7 @@ MODEL = GPTConfig(vocab_size=300, d_model=64, n_layers=4, n_heads=4, n_kv_heads=
                   moe=MoEConfig(n_experts=4, top_k=2, d_ff=32, first_dense=1)).pad_vocab(2)
 TRAIN = TrainConfig(lr=1e-2, steps=3, grad_clip=0.0, schedule=ScheduleConfig(warmup_steps=0),
                     adamw=AdamWConfig(eps=1e-4))
+DENSE = dataclasses.replace(MODEL, moe=MoEConfig())
 B, T = 16, 16
 MESH = MeshConfig(data=2, fsdp=4, tensor=1)
 
@@ -37,9 +40,9 @@ def batches():
             for i in range(3)]
 
 
-def setup(mesh, dtype):
-    model = dataclasses.replace(MODEL, dtype=dtype)
-    layout, optimizer, graphdef, state = helpers.build(mesh, "owner", model, TRAIN)
+def setup(mesh, dtype, layout="owner", model=MODEL):
+    model = dataclasses.replace(model, dtype=dtype)
+    layout, optimizer, graphdef, state = helpers.build(mesh, layout, model, TRAIN)
     cfg = dataclasses.replace(model, **layout.stack_fields)
     step = make_train_step(make_loss_fn(graphdef, cfg, mesh, layout), optimizer, 1, mesh,
                            layout.rules)
@@ -77,28 +80,52 @@ def test_owner_gathers_each_weight_in_the_dtype_it_computes_in(dtype):
     assert dtype == "float32" or any(kind == "bf16" for kind, _ in weights)
 
 
-def bf16_gradients(mesh):
+def fsdp_layer_gathers(dtype):
+    """The all-gathers of an fsdp train step that run once per layer (in the layer loops)."""
+    mesh = make_mesh(MESH)
+    state, step = setup(mesh, dtype, "fsdp", DENSE)
+    report = hlo_collectives(step, state, jax.device_put(batches()[0]))
+    return [c for c in report.select("all-gather") if c.executions == DENSE.n_layers]
+
+
+def test_fsdp_gathers_a_bf16_models_weights_in_bf16():
+    """Under fsdp XLA places the gathers: the layers' weights, cast where they lie
+    (``rules.cast_in_place``), are gathered in bf16, half the bytes of an fp32 model's
+    (whose gathers are unchanged)."""
+    fp32, bf16 = fsdp_layer_gathers("float32"), fsdp_layer_gathers("bfloat16")
+    assert fp32 and not any(c.widened for c in fp32), fp32
+    assert bf16 and all(c.widened == c.buffers for c in bf16), bf16
+    assert sum(c.buffer_bytes for c in bf16) * 2 == sum(c.buffer_bytes for c in fp32)
+
+
+def bf16_gradients(mesh, layout="owner"):
     """The weight gradients of a bf16 dense model's loss on one batch, as [L, ...]
     stacks."""
-    model = dataclasses.replace(MODEL, dtype="bfloat16", moe=MoEConfig())
-    layout, _, graphdef, state = helpers.build(mesh, "owner", model, TRAIN)
+    model = dataclasses.replace(DENSE, dtype="bfloat16")
+    layout, _, graphdef, state = helpers.build(mesh, layout, model, TRAIN)
     loss_fn = make_loss_fn(graphdef, dataclasses.replace(model, **layout.stack_fields), mesh,
                            layout)
     grad = jax.jit(jax.grad(lambda p, tokens: loss_fn(p, tokens)[0]))
     return ungroup(grad(trainable_params(state.params), jax.device_put(batches()[0])))
 
 
-def test_bf16_owner_gradients_equal_one_device_in_bf16():
-    """Under owner (data 2 x fsdp 4) a bf16 model's gradients, through the bf16 gathers
-    and their reduce-scatters, equal one device's in bf16 to bf16 round-off: the
+@pytest.fixture(scope="module")
+def one_device_bf16_gradients():
+    return bf16_gradients(make_mesh(MeshConfig(fsdp=1), jax.devices()[:1]))
+
+
+@pytest.mark.parametrize("layout", ["owner", "fsdp"])
+def test_bf16_gradients_equal_one_device_in_bf16(layout, one_device_bf16_gradients):
+    """Under owner and fsdp (data 2 x fsdp 4) a bf16 model's gradients, through the bf16
+    gathers and their reductions, equal one device's in bf16 to bf16 round-off: the
     weights are the same bf16 values either way, but each rank's partial gradient is
     rounded to bf16 before the sum over ranks (8 bits kept: a few roundings, 2% of the
     largest entry, as test_layouts' bf16 layerwise-against-fsdp check). A dense model: in
     an MoE model bf16 activations summed in another order can flip a token's top-k
-    experts, which changes the gradients by more than round-off (the fsdp layout's too)."""
-    got = bf16_gradients(make_mesh(MESH))
-    want = bf16_gradients(make_mesh(MeshConfig(fsdp=1), jax.devices()[:1]))
+    experts, which changes the gradients by more than round-off."""
+    got = bf16_gradients(make_mesh(MESH), layout)
+    want = dict(jax.tree_util.tree_leaves_with_path(one_device_bf16_gradients))
     for path, a in jax.tree_util.tree_leaves_with_path(got):
-        b = np.asarray(dict(jax.tree_util.tree_leaves_with_path(want))[path])
+        b = np.asarray(want[path])
         np.testing.assert_allclose(np.asarray(a), b, rtol=0, atol=2e-2 * np.abs(b).max(),
                                    err_msg=jax.tree_util.keystr(path))

@@ -13,6 +13,12 @@ of g devices and a buffer of N bytes (the full, unsharded buffer):
   reduce-scatter       (g-1)/g N      N = input before scattering
   all-to-all           (g-1)/g N
   collective-permute   N
+
+N counts what the program sends, as an accelerator runs it: a buffer of
+16-bit floats that XLA:CPU widened to f32 for the collective (its float
+normalization for gathers, AllReducePromotion for sums: the operand is a
+convert from bf16 or f16, perhaps fused with copies and bitcasts) counts at
+its own 2 bytes an element (``Collective.widened``).
 """
 
 from __future__ import annotations
@@ -41,6 +47,11 @@ _ARRAY = re.compile(r"(?P<dtype>[a-z]+\d*(?:e\d+m\d+\w*)?)\[(?P<dims>[\d,]*)\]")
 _CALLEE = re.compile(r"(?:body|condition|to_apply|calls|true_computation|false_computation)=%?([\w.\-]+)")
 _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
 _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+_DEFINITION = re.compile(r"^\s*(?P<root>ROOT\s+)?%?(?P<name>[\w.\-]+) = (?P<shape>\S+) "
+                         r"(?P<op>[\w\-]+)\((?P<rest>.*)$")
+_OPERAND = re.compile(r"%([\w.\-]+)")
+_MOVES_ONLY = ("bitcast", "copy", "transpose", "reshape")
+_NARROW = ("bf16", "f16")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,6 +67,7 @@ class Collective:
     group_size: int              # g
     axes: tuple[str, ...] | None  # mesh axes the groups span (None: not derivable)
     executions: int              # runs per call of the program (loop trip counts)
+    widened: int = 0             # of the buffers, 16-bit floats XLA:CPU widened to f32
 
     @property
     def bytes_per_device(self) -> float:
@@ -149,10 +161,13 @@ def parse_collectives(hlo_text: str, mesh: jax.sharding.Mesh | None = None) -> C
     n_devices = mesh.size if mesh is not None else int(partitions[1]) if partitions else 1
     found = []
     for comp, lines in computations.items():
+        defined = {d["name"]: d for d in map(_DEFINITION.match, lines) if d}
         for line in lines:
             m = _INSTR.match(line)
             if m:
-                found.append(_collective(m, comp, runs.get(comp, 0), mesh, n_devices))
+                narrow = [_narrowed_from(name, defined, computations)
+                          for name in _OPERAND.findall(m["rest"].split(")")[0])]
+                found.append(_collective(m, comp, runs.get(comp, 0), mesh, n_devices, narrow))
     # A newer XLA may print a form this parser does not know: fail, never report zero.
     opcodes = len(re.findall(rf" (?:{_OPS})\(", hlo_text))
     if opcodes != len(found):
@@ -212,14 +227,46 @@ def _executions(computations: dict[str, list[str]], entry: str | None):
     return runs, unknown
 
 
-def _collective(m: re.Match, comp: str, runs: int, mesh, n_devices: int) -> Collective:
+def _narrowed_from(name: str, defined: dict[str, re.Match],
+                   computations: dict[str, list[str]]) -> float:
+    """The bytes per element of the 16-bit float that ``name`` widens (a convert of one,
+    or a fusion ending in such a convert, then only copies, bitcasts, transposes or
+    reshapes), or 0."""
+    d = defined.get(name)
+    if d is None:
+        return 0
+    if d["op"] == "fusion":
+        callee = _CALLEE.search(d["rest"])
+        body = computations.get(callee[1], []) if callee else []
+        inner = {i["name"]: i for i in map(_DEFINITION.match, body) if i}
+        root = next((i for i in map(_DEFINITION.match, body) if i and i["root"]), None)
+        return 0 if root is None else _narrowed_from(root["name"], inner, computations)
+    if d["op"] in _MOVES_ONLY:
+        operand = _OPERAND.search(d["rest"])
+        return _narrowed_from(operand[1], defined, computations) if operand else 0
+    if d["op"] == "convert":
+        operand = _OPERAND.search(d["rest"])
+        source = defined.get(operand[1]) if operand else None
+        kind = _ARRAY.match(source["shape"]) if source else None
+        return _DTYPE_BYTES[kind["dtype"]] if kind and kind["dtype"] in _NARROW else 0
+    return 0
+
+
+def _collective(m: re.Match, comp: str, runs: int, mesh, n_devices: int,
+                narrow: Sequence[float] = ()) -> Collective:
     kind = m["op"].removesuffix("-start")
     rest = m["rest"]
-    arrays = [_array_bytes(a) for a in _ARRAY.finditer(m["shape"])]
+    shapes = list(_ARRAY.finditer(m["shape"]))
     if m["op"] == "all-gather-start":     # ((operands...), (results...)): keep the results
-        arrays = arrays[len(arrays) // 2:]
+        shapes = shapes[len(shapes) // 2:]
     elif m["op"] == "collective-permute-start":   # (operand, result, contexts...)
-        arrays = arrays[:1]
+        shapes = shapes[:1]
+    arrays = [_array_bytes(a) for a in shapes]
+    widened = 0
+    for i, width in enumerate(narrow[:len(arrays)]):
+        if width and shapes[i]["dtype"] == "f32":   # sent at its own width, not f32's
+            arrays[i] *= width / 4
+            widened += 1
     buffers = 1 if kind.endswith("all-to-all") else len(arrays)
     groups = _groups(rest)
     size = len(groups[0]) if groups else n_devices
@@ -232,7 +279,8 @@ def _collective(m: re.Match, comp: str, runs: int, mesh, n_devices: int) -> Coll
         size = 2 if pairs else 1
     else:
         axes = _group_axes(groups, mesh) if mesh is not None else None
-    return Collective(kind, m["name"], comp, m["shape"], nbytes, buffers, size, axes, runs)
+    return Collective(kind, m["name"], comp, m["shape"], nbytes, buffers, size, axes, runs,
+                      widened)
 
 
 def _array_bytes(match: re.Match) -> float:
