@@ -2,7 +2,7 @@
 
     python -m experiments.bench_layouts [--small] [--layers L] [--experts E [--expert P]]
                                         [--optim muon soap adamw] [--keep-gathered]
-                                        [--out PATH]
+                                        [--dtype bfloat16] [--out PATH]
 
 On 8 devices (fsdp = 8), a GPT of 8 layers (or L: 12 puts owner's padding
 to the test) with D = 512 (D = 256 with --small), every MLP a mixture of E
@@ -20,6 +20,8 @@ Newton-Schulz itself (what a user of optax would run; see ``optax_muon``).
 MuonBP (--optim muon_bp) alternates P - 1 block steps with one full step in one
 program: its step time is P consecutive steps over P, its bytes the full branch's
 over P (``hlo.periodic_bytes_per_device``), its collective count both branches'.
+With --dtype bfloat16 the model computes in bf16 (the bytes count bf16 buffers at
+2 bytes, as an accelerator sends them: ``hlo.Collective.widened``).
 With --keep-gathered, a row `owner+kept`: owner with ``GPTConfig.keep_gathered``
 (the backward keeps each group's gathered weights, FSDP's
 reshard_after_forward=False).
@@ -205,6 +207,8 @@ def parser() -> argparse.ArgumentParser:
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--experts", type=int, default=0, help="MoE MLPs of E experts")
     parser.add_argument("--expert", type=int, default=1, help="expert-parallel ranks P")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                        help="the model's compute dtype (params stay fp32)")
     parser.add_argument("--optim", nargs="+", default=["muon"],
                         choices=[*MATRIX_OPTIMIZERS, "adamw"])
     parser.add_argument("--keep-gathered", action="store_true",
@@ -217,7 +221,8 @@ def main(args_list: list[str] | None = None) -> list[dict]:
     args = parser().parse_args(args_list)
     jax.config.update("jax_num_cpu_devices", 8)
     mesh = make_mesh(MeshConfig(fsdp=8 // args.expert, expert=args.expert))
-    model = model_config(args.small, args.layers, args.experts)
+    model = dataclasses.replace(model_config(args.small, args.layers, args.experts),
+                                dtype=args.dtype)
     tokens = jax.device_put(
         jax.random.randint(jax.random.key(0), (8, 129), 0, model.vocab_size),
         jax.NamedSharding(mesh, jax.P(("data", "fsdp", "expert"))))

@@ -35,11 +35,11 @@ The projections count only FLOPs and bytes: no kernel efficiency loss for
 small per-GPU matmuls, no memory-bound elementwise time, no stragglers, no
 hierarchical collectives, no compression. The numbers come from XLA:CPU's
 partitioning: XLA:GPU may combine or schedule collectives differently.
-XLA:CPU widens bf16 all-reduces to f32 (``to_apply=...promoted``); the
-projection counts those at 2 bytes an element (the "(bf16)" column). What the
-compiled programs show, and the projection inherits:
-  - the owner and fsdp layouts gather fp32 master weights (the cast to bf16
-    comes after the gather), twice the bytes of a bf16 gather;
+XLA:CPU widens bf16 collectives to f32; ``hlo`` counts those buffers at 2 bytes
+an element, as an accelerator sends them. What the compiled programs show, and
+the projection inherits:
+  - the layerwise layout gathers its updated fp32 params (Megatron gathers
+    bf16 model weights); owner and fsdp gather bf16 for a bf16 model;
   - the owner layout gathers whole groups of f layer slots: with f = 64 and
     32 layers, half of every gather is padding (llama-7b/fsdp64), and
     layerwise pads its stacks the same way;
@@ -129,7 +129,6 @@ import itertools
 import json
 import math
 import os
-import re
 import subprocess
 import sys
 import tempfile
@@ -427,9 +426,8 @@ def compile_layout(s: Setting, layout_name: str, fwd_bwd: bool = False, devices=
     # runs every collective every step (no weights: the rows stay as they were).
     train_weights = period_weights(train_text, period) if period > 1 else {}
     opt_weights = period_weights(opt_text, period) if period > 1 else {}
-    widths = lambda report, text, weights: [
-        {**dataclasses.asdict(c), "width": 0.5 if c.name in _promoted(text) else 1.0,
-         "weight": weights.get(c.computation, 1.0)}
+    weighted = lambda report, weights: [
+        {**dataclasses.asdict(c), "weight": weights.get(c.computation, 1.0)}
         for c in report.collectives]
     opt_flops = float(_flops(opt))
     memory = train.memory_analysis()
@@ -453,9 +451,9 @@ def compile_layout(s: Setting, layout_name: str, fwd_bwd: bool = False, devices=
            "train_temp_bytes_per_device": memory.temp_size_in_bytes,
            "train_compile_s": train_s, "opt_compile_s": opt_s,
            "unknown_trip_counts": train_report.unknown_trip_counts,
-           "train_collective_list": widths(train_report, train_text, train_weights),
-           "opt_collective_list": widths(opt_report, opt_text, opt_weights)}
-    for program in ("train", "opt"):   # at the width an accelerator sends
+           "train_collective_list": weighted(train_report, train_weights),
+           "opt_collective_list": weighted(opt_report, opt_weights)}
+    for program in ("train", "opt"):
         row[f"{program}_gpu_bytes_per_device"] = sum(
             c.bytes_per_device * c.executions for c in collectives_of(row, program))
     if fwd_bwd:
@@ -508,16 +506,6 @@ def _bytes(report, weights: dict[str, float]) -> float:
                for c in report.collectives)
 
 
-_PROMOTED = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+) = \(?f32\[.*to_apply=%?[\w.\-]*promoted")
-
-
-def _promoted(hlo_text: str) -> set[str]:
-    """Collectives XLA:CPU widened from bf16 to f32 (``to_apply=%add.clone_promoted``):
-    XLA:CPU reduces no bf16, an accelerator sends them at 2 bytes, so the projection
-    counts these at half their f32 bytes."""
-    return {m[1] for m in map(_PROMOTED.match, hlo_text.splitlines()) if m}
-
-
 def _flops(compiled) -> float:
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
@@ -549,8 +537,9 @@ def collectives_of(row: dict, program: str) -> list[_Coll]:
         full = Collective(**{**fields, "axes": axes})
         weight = c.get("weight", 1.0)
         runs = c["executions"] if weight == 1.0 else c["executions"] * weight
+        # Rows measured before hlo counted widened bf16 buffers at 2 bytes carry a width.
         out.append(_Coll(c["kind"], axes, c["group_size"], runs,
-                         full.bytes_per_device * c["width"]))
+                         full.bytes_per_device * c.get("width", 1.0)))
     return out
 
 
@@ -650,7 +639,7 @@ def add_projections(rows: list[dict], hardware: list[str]) -> None:
 def print_model_tables(rows: list[dict], hardware: list[str]) -> None:
     columns = [("setting", "setting", ""), ("variant", "layout", ""), ("batch", "B", "d"),
                ("train_colls_text", "train colls", ""),
-               ("train_gb", "train GB/dev", ".2f"), ("train_gpu_gb", "(bf16)", ".2f"),
+               ("train_gb", "train GB/dev", ".2f"),
                ("opt_colls_text", "opt colls", ""), ("opt_gb", "opt GB/dev", ".2f"),
                ("state_gb", "params+state GB/dev", ".1f"), ("temp_gb", "temp GB/dev", ".1f"),
                ("compile_s", "compile s", ".0f")]
@@ -667,7 +656,6 @@ def print_model_tables(rows: list[dict], hardware: list[str]) -> None:
         mine = [dict(r, train_gb=r["train_bytes_per_device"] / 1e9,
                      train_colls_text=count_text(r["train_collectives"]),
                      opt_colls_text=count_text(r["opt_collectives"]),
-                     train_gpu_gb=r["train_gpu_bytes_per_device"] / 1e9,
                      opt_gb=r["opt_bytes_per_device"] / 1e9,
                      state_gb=r["state_bytes_per_device"] / 1e9,
                      temp_gb=r["train_temp_bytes_per_device"] / 1e9,
@@ -677,10 +665,9 @@ def print_model_tables(rows: list[dict], hardware: list[str]) -> None:
                 for r in rows if r["model"] == model]
         print(f"\n{model} ({mine[0]['params_b']:.2f}B params, T={mine[0]['seq']}):")
         print_table(mine, columns)
-    print("train GB/dev: the compiled CPU program's bytes; (bf16): counting the all-reduces "
-          "XLA:CPU widened from bf16 to f32 at 2 bytes, as an accelerator sends them (used "
-          "by the projection). fits: params+state + temporaries <= the GPU's memory (XLA:CPU's "
-          "buffer assignment: indicative only).")
+    print("GB/dev: the compiled program's bytes, bf16 buffers XLA:CPU widened to f32 at 2 "
+          "bytes, as an accelerator sends them (hlo.Collective.widened). fits: params+state "
+          "+ temporaries <= the GPU's memory (XLA:CPU's buffer assignment: indicative only).")
     if any(r.get("period", 1) > 1 for r in rows):
         print("MuonBP rows (period P): collectives, their counts and bytes, and the optimizer's "
               "FLOPs are per step averaged over P steps (one full step, P - 1 block steps); "
