@@ -1,5 +1,5 @@
 """bf16 on the wire: under the owner and fsdp layouts a bf16 model's weights are cast to
-bf16 where they lie and gathered in bf16 (norm scales and the router, which compute in
+bf16 before they are gathered (norm scales and the router, which compute in
 fp32, in fp32), and its gradients still equal one device's in bf16.
 
 XLA:CPU widens bf16 collectives to f32 when it compiles (its float normalization and
@@ -89,9 +89,9 @@ def fsdp_layer_gathers(dtype):
 
 
 def test_fsdp_gathers_a_bf16_models_weights_in_bf16():
-    """Under fsdp XLA places the gathers: the layers' weights, cast where they lie
-    (``rules.cast_in_place``), are gathered in bf16, half the bytes of an fp32 model's
-    (whose gathers are unchanged)."""
+    """Under fsdp XLA places the gathers, and it casts the layers' weights before it
+    gathers them: bf16, half the bytes of an fp32 model's. (Read at f32 width, as
+    XLA:CPU's program types them, this looked like an fp32 gather.)"""
     fp32, bf16 = fsdp_layer_gathers("float32"), fsdp_layer_gathers("bfloat16")
     assert fp32 and not any(c.widened for c in fp32), fp32
     assert bf16 and all(c.widened == c.buffers for c in bf16), bf16

@@ -209,19 +209,6 @@ def sum_dtype(dtype) -> jnp.dtype:
     return jnp.dtype(jnp.float32) if cpu and dtype == jnp.bfloat16 else jnp.dtype(dtype)
 
 
-def cast_in_place(x: jax.Array, dtype, logical_axes: Sequence[str | None]) -> jax.Array:
-    """``x`` cast to ``dtype`` where it lies: pinned to its own sharding (``logical_axes``
-    under the active rules) so that XLA gathers the cast value, not the fp32 one and
-    cast after. Unpinned inside a manual map (a pipeline stage: the rules name its
-    axes) and without an active mesh."""
-    if x.dtype == dtype:
-        return x
-    y = x.astype(dtype)
-    if _ACTIVE.get() is None or jax.sharding.get_abstract_mesh().manual_axes:
-        return y
-    return constrain(y, logical_axes)
-
-
 def gather_in(block: jax.Array, dtype, owners: tuple[str, ...], others: tuple[str, ...]):
     """``block`` cast to ``dtype`` on its owner, then all-gathered over ``owners`` (in a
     ``shard_map`` manual over them): bf16 on the wire for a bf16 weight, the same

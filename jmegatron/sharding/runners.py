@@ -37,8 +37,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jmegatron.sharding.prefetch import run_prefetched
-from jmegatron.sharding.rules import (LAYERS, active_mesh_and_rules, cast_in_place,
-                                     compute_dtype_of, logical_axes_of, only_batch_axes_live, run_constrained,
+from jmegatron.sharding.rules import (LAYERS, active_mesh_and_rules, compute_dtype_of,
+                                     logical_axes_of, only_batch_axes_live, run_constrained,
                                      run_gathered)
 from jmegatron.sharding.scatter import run_stack
 from jmegatron.sharding.stacks import StackShape, stack_of
@@ -63,13 +63,10 @@ class Stack(NamedTuple):
         return jax.tree.leaves(self.state)
 
     @property
-    def variables(self) -> list[nnx.Variable]:
-        return jax.tree.leaves(self.state, is_leaf=_is_variable)
-
-    @property
     def dtypes(self) -> tuple[jnp.dtype, ...]:
         """Per leaf, the dtype it computes in (``rules.compute_dtype_of``)."""
-        return tuple(compute_dtype_of(v) for v in self.variables)
+        return tuple(compute_dtype_of(v)
+                     for v in jax.tree.leaves(self.state, is_leaf=_is_variable))
 
     @property
     def shape(self) -> StackShape | None:
@@ -108,9 +105,7 @@ class StackRunner:
 
     def __call__(self, stack: Stack, x: jax.Array) -> tuple[jax.Array, dict]:
         """x through ``stack``'s layers start..start+n: (x, stats [n, ...])."""
-        # Cast where the weights lie: under fsdp XLA then gathers them in the compute dtype.
-        leaves = [cast_in_place(leaf, dtype, logical_axes_of(v)) for leaf, dtype, v in
-                  zip(stack.leaves, stack.dtypes, stack.variables)]
+        leaves = stack.leaves
         if stack.staged:   # [S, ...] on one device: the layers in order, padding dropped
             return stack.scan(x, [stack.shape.to_canonical(leaf) for leaf in leaves])
         self.check(stack)
