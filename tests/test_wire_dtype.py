@@ -49,11 +49,11 @@ def setup(mesh, dtype, layout="owner", model=MODEL):
     return state, step
 
 
-def gathers(dtype):
+def gathers(dtype, prefetch=False):
     """[(dtype, shape)] of every all-gather the owner train step asks for, and
     {gathered shape: the dtype that weight computes in} of the stacked weights."""
     mesh = make_mesh(MESH)
-    state, step = setup(mesh, dtype)
+    state, step = setup(mesh, dtype, model=dataclasses.replace(MODEL, prefetch=prefetch))
     text = step.lower(state, jax.device_put(batches()[0])).compiler_ir("hlo").as_hlo_text()
     found = re.findall(r"= (\w+)\[([\d,]*)\]\S* all-gather\(", text)
     want = {}
@@ -63,12 +63,15 @@ def gathers(dtype):
     return found, want
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_owner_gathers_each_weight_in_the_dtype_it_computes_in(dtype):
-    """Each group of layers is gathered whole: in bf16 for the matmul weights of a bf16
-    model (half the bytes), in fp32 for its norm scales and routers, and all in fp32
-    for an fp32 model, as before."""
-    found, want = gathers(dtype)
+@pytest.mark.parametrize("dtype, prefetch", [("float32", False), ("bfloat16", False),
+                                             ("bfloat16", True)],
+                         ids=["float32", "bfloat16", "bfloat16_prefetch"])
+def test_owner_gathers_each_weight_in_the_dtype_it_computes_in(dtype, prefetch):
+    """Each group of layers is gathered whole (with ``prefetch``, the dense stack's a
+    group ahead): in bf16 for the matmul weights of a bf16 model (half the bytes), in
+    fp32 for its norm scales and routers, and all in fp32 for an fp32 model, as
+    before."""
+    found, want = gathers(dtype, prefetch)
     short = {"float32": "f32", "bfloat16": "bf16"}
     weights = [(kind, tuple(int(n) for n in dims.split(","))) for kind, dims in found
                if tuple(int(n) for n in dims.split(",") if n) in want]
@@ -98,10 +101,10 @@ def test_fsdp_gathers_a_bf16_models_weights_in_bf16():
     assert sum(c.buffer_bytes for c in bf16) * 2 == sum(c.buffer_bytes for c in fp32)
 
 
-def bf16_gradients(mesh, layout="owner"):
+def bf16_gradients(mesh, layout="owner", prefetch=False):
     """The weight gradients of a bf16 dense model's loss on one batch, as [L, ...]
     stacks."""
-    model = dataclasses.replace(DENSE, dtype="bfloat16")
+    model = dataclasses.replace(DENSE, dtype="bfloat16", prefetch=prefetch)
     layout, _, graphdef, state = helpers.build(mesh, layout, model, TRAIN)
     loss_fn = make_loss_fn(graphdef, dataclasses.replace(model, **layout.stack_fields), mesh,
                            layout)
@@ -114,16 +117,19 @@ def one_device_bf16_gradients():
     return bf16_gradients(make_mesh(MeshConfig(fsdp=1), jax.devices()[:1]))
 
 
-@pytest.mark.parametrize("layout", ["owner", "fsdp"])
-def test_bf16_gradients_equal_one_device_in_bf16(layout, one_device_bf16_gradients):
-    """Under owner and fsdp (data 2 x fsdp 4) a bf16 model's gradients, through the bf16
+@pytest.mark.parametrize("layout, prefetch", [("owner", False), ("owner", True),
+                                              ("fsdp", False)],
+                         ids=["owner", "owner_prefetch", "fsdp"])
+def test_bf16_gradients_equal_one_device_in_bf16(layout, prefetch, one_device_bf16_gradients):
+    """Under owner (its groups gathered in turn or a group ahead: ``prefetch``, with its
+    own backward) and fsdp (data 2 x fsdp 4) a bf16 model's gradients, through the bf16
     gathers and their reductions, equal one device's in bf16 to bf16 round-off: the
     weights are the same bf16 values either way, but each rank's partial gradient is
     rounded to bf16 before the sum over ranks (8 bits kept: a few roundings, 2% of the
     largest entry, as test_layouts' bf16 layerwise-against-fsdp check). A dense model: in
     an MoE model bf16 activations summed in another order can flip a token's top-k
     experts, which changes the gradients by more than round-off."""
-    got = bf16_gradients(make_mesh(MESH), layout)
+    got = bf16_gradients(make_mesh(MESH), layout, prefetch)
     want = dict(jax.tree_util.tree_leaves_with_path(one_device_bf16_gradients))
     for path, a in jax.tree_util.tree_leaves_with_path(got):
         b = np.asarray(want[path])

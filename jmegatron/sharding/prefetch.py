@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 
 from jmegatron.sharding.rules import (active_mesh_and_rules, activation_sharding, manual_split,
-                                     mesh_axes_of, varying)
+                                     mesh_axes_of, sum_dtype, varying)
 
 # run(x, whole, size) -> (x, stats): the first ``size`` layers of one group, ``whole``
 # its gathered weights (each leaf [g, ...]); stats per layer and example [size, B, ...],
@@ -48,7 +48,8 @@ _SAVED = jax.checkpoint_policies.dots_with_no_batch_dims_saveable
 
 def run_prefetched(run: RunGroup, x: jax.Array, leaves: Sequence[jax.Array],
                    leaf_axes: Sequence[Sequence[str | None]], name: str,
-                   sizes: Sequence[int]) -> tuple[jax.Array, dict]:
+                   sizes: Sequence[int], dtypes: Sequence[jnp.dtype] | None = None,
+                   ) -> tuple[jax.Array, dict]:
     """``x`` through groups 0..G-1 of ``leaves`` ([G, g, ...] each, dim 1 named
     ``name``, split over the owner ranks): ``run(x, whole_i, sizes[i])`` in turn;
     returns x and the groups' stats concatenated [sum(sizes), B, ...].
@@ -67,8 +68,11 @@ def run_prefetched(run: RunGroup, x: jax.Array, leaves: Sequence[jax.Array],
       leaf_axes: each leaf's logical axes after the group axis (``name`` first).
       name: the logical axis of the layers within a group.
       sizes: static layers to run per group (all g, except perhaps the last).
+      dtypes: per leaf, the dtype it computes in, gathered and reduced in
+        (``rules.gather_in``); None: each leaf's own.
     """
     active = active_mesh_and_rules()
+    dtypes = tuple(leaf.dtype for leaf in leaves) if dtypes is None else tuple(dtypes)
     if active is None:
         return _groups(lambda i: [leaf[i] for leaf in leaves], run, x, sizes)
     mesh, rules = active
@@ -80,7 +84,8 @@ def run_prefetched(run: RunGroup, x: jax.Array, leaves: Sequence[jax.Array],
             return run(x, whole, size)
 
     def body(x_block, *blocks):   # [B/dp, T, D], each [G, g/owners, ...]
-        return _prefetching(inner_run, split.owners, tuple(sizes))(x_block, list(blocks))
+        return _prefetching(inner_run, split.manual, split.owners, tuple(sizes),
+                            dtypes)(x_block, list(blocks))
 
     return jax.shard_map(body, mesh=mesh, in_specs=(split.x_spec, *split.leaf_specs),
                          out_specs=(split.x_spec, split.stats_spec),
@@ -100,23 +105,31 @@ def _concatenate(stats: list) -> dict:
     return jax.tree.map(lambda *s: jnp.concatenate(s), *stats)
 
 
-def _prefetching(run: RunGroup, owners: tuple[str, ...], sizes: tuple[int, ...]):
+def _prefetching(run: RunGroup, manual: tuple[str, ...], owners: tuple[str, ...],
+                 sizes: tuple[int, ...], dtypes: tuple[jnp.dtype, ...]):
     """The custom-vjp group loop of ``run_prefetched`` on local blocks."""
     groups = len(sizes)
 
-    def gather(blocks, i):   # group i whole: each leaf [g, ...]
-        local = [jax.lax.dynamic_index_in_dim(b, i, keepdims=False) for b in blocks]
-        return [jax.lax.all_gather(b, owners, axis=0, tiled=True) if owners else b
-                for b in local]
+    def gather(blocks, i):
+        """Group i whole, each leaf [g, ...] in its compute dtype, typed as varying over
+        every batch axis: a group's vjp then leaves the sum over the batch axes to
+        ``scatter`` (in ``sum_dtype``, after the reduce-scatter)."""
+        local = [jax.lax.dynamic_index_in_dim(b, i, keepdims=False).astype(dtype)
+                 for b, dtype in zip(blocks, dtypes)]
+        whole = [jax.lax.all_gather(b, owners, axis=0, tiled=True) if owners else b
+                 for b in local]
+        rest = lambda w: tuple(a for a in manual if a not in varying(w))
+        return [jax.lax.pcast(w, rest(w), to="varying") if rest(w) else w for w in whole]
 
     def scatter(grads, blocks):
         """Each leaf [g, ...] -> this rank's [g/owners, ...] of one group, summed
-        over the batch axes the block does not vary over."""
+        over the batch axes the block does not vary over (in its ``sum_dtype``)."""
         out = []
         for d, b in zip(grads, blocks):
+            d = d.astype(sum_dtype(d.dtype))
             d = jax.lax.psum_scatter(d, owners, scatter_dimension=0, tiled=True) if owners else d
             rest = tuple(varying(d) - varying(b))
-            out.append(jax.lax.psum(d, rest) if rest else d)
+            out.append((jax.lax.psum(d, rest) if rest else d).astype(b.dtype))
         return out
 
     layouts = {}   # full (0) and last group: where the weights sit among the vjp's residuals

@@ -172,7 +172,7 @@ class GroupedRunner(StackRunner):
                                  "with tensor parallelism (tensor > 1) leave it off")
             # Unrolled: XLA copies a carried group into a nested loop (prefetch.py).
             return run_prefetched(functools.partial(run, unroll=True), x, leaves, axes,
-                                  LAYERS, sizes)
+                                  LAYERS, sizes, stack.dtypes)
         runner = (functools.partial(run_gathered, summed=stack.summed, keep=self.keep,
                                     dtypes=stack.dtypes)
                   if manual else functools.partial(run_constrained, keep=self.keep))
