@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 
 from jmegatron.sharding.rules import (active_mesh_and_rules, activation_sharding, manual_split,
-                                     mesh_axes_of, sum_dtype, varying)
+                                     mesh_axes_of, scatter_to_owners, varying)
 
 # run(x, whole, size) -> (x, stats): the first ``size`` layers of one group, ``whole``
 # its gathered weights (each leaf [g, ...]); stats per layer and example [size, B, ...],
@@ -124,13 +124,8 @@ def _prefetching(run: RunGroup, manual: tuple[str, ...], owners: tuple[str, ...]
     def scatter(grads, blocks):
         """Each leaf [g, ...] -> this rank's [g/owners, ...] of one group, summed
         over the batch axes the block does not vary over (in its ``sum_dtype``)."""
-        out = []
-        for d, b in zip(grads, blocks):
-            d = d.astype(sum_dtype(d.dtype))
-            d = jax.lax.psum_scatter(d, owners, scatter_dimension=0, tiled=True) if owners else d
-            rest = tuple(varying(d) - varying(b))
-            out.append((jax.lax.psum(d, rest) if rest else d).astype(b.dtype))
-        return out
+        return [scatter_to_owners(d, owners, tuple(varying(d) - varying(b)),
+                                  b.dtype) for d, b in zip(grads, blocks)]
 
     layouts = {}   # full (0) and last group: where the weights sit among the vjp's residuals
 

@@ -209,22 +209,29 @@ def sum_dtype(dtype) -> jnp.dtype:
     return jnp.dtype(jnp.float32) if cpu and dtype == jnp.bfloat16 else jnp.dtype(dtype)
 
 
+def scatter_to_owners(d: jax.Array, owners: tuple[str, ...], others: tuple[str, ...],
+                      master) -> jax.Array:
+    """A gathered weight's gradient ``d`` back on its owners: reduce-scattered over
+    ``owners`` in ``sum_dtype`` (of ``d``'s, the compute dtype), then summed over the
+    ``others`` batch axes, in the ``master`` dtype (the transpose of ``gather_in``)."""
+    d = d.astype(sum_dtype(d.dtype))
+    d = jax.lax.psum_scatter(d, owners, scatter_dimension=0, tiled=True) if owners else d
+    return (jax.lax.psum(d, others) if others else d).astype(master)
+
+
 def gather_in(block: jax.Array, dtype, owners: tuple[str, ...], others: tuple[str, ...]):
     """``block`` cast to ``dtype`` on its owner, then all-gathered over ``owners`` (in a
     ``shard_map`` manual over them): bf16 on the wire for a bf16 weight, the same
     values as casting the gathered fp32. Its gradient is reduce-scattered back in
     ``dtype`` (``sum_dtype``), then summed over the ``others`` batch axes, and
     reaches the master in its own dtype."""
-    master, wire = block.dtype, sum_dtype(dtype)
-
     @jax.custom_vjp
     def gather(b):
         b = jax.lax.pcast(b.astype(dtype), others, to="varying") if others else b.astype(dtype)
         return jax.lax.all_gather(b, owners, axis=0, tiled=True)
 
     def backward(_, g):
-        d = jax.lax.psum_scatter(g.astype(wire), owners, scatter_dimension=0, tiled=True)
-        return ((jax.lax.psum(d, others) if others else d).astype(master),)
+        return (scatter_to_owners(g, owners, others, block.dtype),)
 
     gather.defvjp(lambda b: (gather(b), None), backward)
     return gather(block)

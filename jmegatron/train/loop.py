@@ -211,11 +211,12 @@ class Trainer:
         self.mesh_cfg, self.model_cfg, self.corpus, self.layout = (
             plan.mesh, plan.model, plan.corpus, plan.layout)
         self.rules = plan.rules
+        key = programs_key(cfg, plan)
         if programs is None:
             programs = build_programs(cfg, plan)
-        elif programs.key != programs_key(cfg, plan):
+        elif programs.key != key:
             raise ValueError("the programs given were built for other settings: " +
-                             ", ".join(differences(programs.key, programs_key(cfg, plan))))
+                             ", ".join(differences(programs.key, key)))
         self.programs = programs
         self.mesh, self.optimizer, self.graphdef = (programs.mesh, programs.optimizer,
                                                     programs.graphdef)
