@@ -30,6 +30,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from jmegatron.optim.codec import LeafCodec
 from jmegatron.optim.owners import ns_cost
 from jmegatron.optim.placement import Placement, ownership_report, place_all
+from jmegatron.optim import auto_layout
 from jmegatron.optim.routing import (ADAMW, MATRIX, LeafRoute, MatrixFlops, Route, Routing,
                                      describe_leaves,
                                      routed)
@@ -305,8 +306,9 @@ def make_plan(params, mesh: jax.sharding.Mesh | None = None, layout: Layout | st
       params: the params, abstract or real, with logical axes where they are nnx
         variables; variables that are not ``nnx.Param`` get a plan with no route.
       mesh: the device mesh; None: no shardings or placements.
-      layout: a ``Layout`` or "replicated", "layerwise", "fsdp" or "owner"; None:
-        "fsdp". Used only with a mesh.
+      layout: a ``Layout`` or "replicated", "layerwise", "fsdp" or "owner"; "auto":
+        the one with the shortest modelled step among those ``params`` are stacked
+        for (``auto_layout.choose``); None: "fsdp". Used only with a mesh.
       routing: the ``Routing`` options.
       rules: the logical-to-mesh axis rules a layout given by name is built on.
       cost: a matrix's optimizer work, ``(fan_in, fan_out) -> FLOPs``, which the
@@ -316,6 +318,8 @@ def make_plan(params, mesh: jax.sharding.Mesh | None = None, layout: Layout | st
     Returns:
       The ``ShardingPlan``.
     """
+    if mesh is not None and isinstance(layout, str) and layout == "auto":
+        layout = auto_layout.choose(params, mesh, rules, cost, routing)
     layout = None if mesh is None else resolve_layout(layout, mesh, rules)
     flat, treedef = jax.tree.flatten_with_path(params, is_leaf=_is_variable)
     routes = [routed(path, node, routing) for path, node in flat]

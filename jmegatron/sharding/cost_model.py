@@ -75,6 +75,11 @@ HARDWARE: dict[str, Hardware] = {
         "bidirectional = 450 GB/s per direction; 8 GPUs per HGX node; one 400 Gb/s "
         "ConnectX-7 NDR InfiniBand NIC per GPU = 50 GB/s; 80 GB HBM3; MFU 40% assumed "
         "(typical of large dense LLM training); " + _LATENCY),
+    "h200": Hardware(
+        "h200", 8, 450.0, 50.0, 989.0, 0.40, 10.0, 25.0, 141.0,
+        "H200 SXM (NVIDIA H200 datasheet): H100's 989 TFLOP/s dense bf16 and NVLink 4 "
+        "(450 GB/s per direction) with 141 GB HBM3e; 8 GPUs per HGX node; one 400 Gb/s "
+        "ConnectX-7 NDR NIC per GPU = 50 GB/s; MFU 40% assumed; " + _LATENCY),
     "gb300": Hardware(
         "gb300", 72, 900.0, 100.0, 2500.0, 0.40, 10.0, 25.0, 288.0,
         "GB300 NVL72 (NVIDIA GB300 NVL72 specifications): 72 GPUs in one NVLink 5 domain, "
@@ -96,7 +101,32 @@ HARDWARE: dict[str, Hardware] = {
         "per GPU; 125 TFLOP/s fp16 "
         "peak, and the paper's one-GPU baseline sustains 39 TFLOP/s = 31.2% of it (the "
         "mfu here); " + _LATENCY),
+    "cpu": Hardware(
+        "cpu", 1024, 0.5, 0.5, 0.055, 1.0, 250.0, 250.0, 16.0,
+        "virtual XLA:CPU devices of one process (all in one 'node'), measured on this "
+        "project's 2-core machine with experiments.bench_cpu_links (2026-12-05): a 512^3 "
+        "fp32 matmul on 8 devices at once runs at 55 GFLOP/s per device (the peak here, "
+        "mfu 1); all-gathers and reduce-scatters of 64 MB send 0.41-0.48 GB/s per "
+        "device (0.5 here; 2-3.5 GB/s at 4 MB, which fits in cache); a 4 KB one takes "
+        "0.2-0.27 ms (the latency); memory: 128 GB shared by 8 devices"),
 }
+
+
+# Substrings of a GPU's ``device_kind`` (e.g. "NVIDIA H100 80GB HBM3") -> its preset,
+# the first match winning.
+DEVICE_KINDS = (("GB300", "gb300"), ("H200", "h200"), ("H100", "h100"), ("A100", "a100"))
+
+
+def preset_for(platform: str, device_kind: str) -> tuple[str, bool]:
+    """The preset modelling devices of ``platform`` (jax's ``Device.platform``) and
+    ``device_kind``, and whether it is theirs: an accelerator none of
+    ``DEVICE_KINDS`` names is modelled as an H100 (False)."""
+    if platform == "cpu":
+        return "cpu", True
+    for part, name in DEVICE_KINDS:
+        if part in device_kind:
+            return name, True
+    return "h100", False
 
 
 def hardware(name: str) -> Hardware:

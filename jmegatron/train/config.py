@@ -349,10 +349,11 @@ class TrainConfig:
     """Device mesh (-1: the rest of the devices)."""
     fit_mesh: bool = True
     """Shrink the mesh to the devices present (off once any --mesh.* flag is given)."""
-    layout: Literal["replicated", "layerwise", "fsdp", "owner"] = "fsdp"
+    layout: Literal["auto", "replicated", "layerwise", "fsdp", "owner"] = "auto"
     """Where params and matrix-optimizer state live: replicated (data parallel),
     layerwise (Megatron: state of each matrix on one data rank), fsdp (ZeRO-3,
-    element-wise), owner (MatrixFSDP: each matrix whole on one fsdp rank)."""
+    element-wise), owner (MatrixFSDP: each matrix whole on one fsdp rank); auto: the
+    one with the shortest modelled step on this mesh and hardware (printed at start)."""
     assignment: Literal["round_robin", "balanced"] = "round_robin"
     """layerwise: which data rank owns each matrix: round_robin (continuing from one
     stack to the next) or balanced (heaviest stacks first, evening the per-rank

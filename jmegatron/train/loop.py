@@ -32,7 +32,7 @@ from jmegatron.train.checkpoint import (Checkpointer, CheckpointDamaged, Checkpo
 from jmegatron.train.config import ConfigError, TrainConfig
 from jmegatron.train.distributed import AnyProcess, barrier, is_main, same_on_all
 from jmegatron.train.metrics import MetricsWriter, jsonable, measure_matmul_rate
-from jmegatron.train.optimizer import Optimizer, make_optimizer
+from jmegatron.train.optimizer import Optimizer, make_optimizer, rank_layouts
 from jmegatron.train.plots import plot_runs
 from jmegatron.train.sample import make_sampler, sample_texts
 from jmegatron.train.state import TrainState, state_initializer
@@ -58,6 +58,7 @@ class Plan:
     corpus: Corpus
     layout: Layout
     run_dir: Path            # out_dir/name, checked: writable, and no other run's folder
+    choice: str = ""         # --layout auto: what it chose and why (one line); else ""
 
     @property
     def rules(self) -> Rules:
@@ -103,7 +104,20 @@ def plan_run(cfg: TrainConfig) -> Plan:
     if cfg.top_k > cfg.model.vocab_size:
         raise ValueError(f"--top-k {cfg.top_k}: must be at most the vocabulary "
                          f"(model.vocab_size={cfg.model.vocab_size})")
-    layout = make_layout(cfg.layout, mesh.sizes(), assignment=cfg.assignment,
+    layout, model, choice = (choose_layout(cfg, mesh) if cfg.layout == "auto"
+                             else (*layout_and_model(cfg.layout, cfg, mesh), ""))
+    run_folder.check_out_dir(cfg.out_dir)
+    name = cfg.name or time.strftime(   # process 0's clock, on every process
+        "%Y%m%d-%H%M%S", time.localtime(same_on_all(int(time.time()))))
+    run_dir = Path(cfg.out_dir) / name
+    run_folder.check_run_folder(run_dir, cfg)
+    return Plan(mesh, model, corpus, layout, run_dir, choice)
+
+
+def layout_and_model(name: str, cfg: TrainConfig, mesh: MeshConfig) -> tuple[Layout, GPTConfig]:
+    """The layout ``name`` on ``mesh`` and the model stacked for it; raises ValueError
+    where they do not fit the mesh or the batch."""
+    layout = make_layout(name, mesh.sizes(), assignment=cfg.assignment,
                          repeats=cfg.pipeline.repeats, schedule=cfg.pipeline.schedule)
     if layout.stages > 1 and cfg.microbatches < layout.stages:
         raise ValueError(f"--mesh.stage {layout.stages} needs --microbatches >= "
@@ -114,12 +128,31 @@ def plan_run(cfg: TrainConfig) -> Plan:
     if model.prefetch and not ax.only_batch_axes_live(mesh.sizes(), layout.rules):
         raise ValueError(f"--model.prefetch needs --mesh.tensor 1 (got {mesh.tensor}): it "
                          "runs the owner groups manual over the batch axes")
-    run_folder.check_out_dir(cfg.out_dir)
-    name = cfg.name or time.strftime(   # process 0's clock, on every process
-        "%Y%m%d-%H%M%S", time.localtime(same_on_all(int(time.time()))))
-    run_dir = Path(cfg.out_dir) / name
-    run_folder.check_run_folder(run_dir, cfg)
-    return Plan(mesh, model, corpus, layout, run_dir)
+    return layout, model
+
+
+def choose_layout(cfg: TrainConfig, mesh: MeshConfig) -> tuple[Layout, GPTConfig, str]:
+    """``--layout auto``: the layout with the shortest modelled step
+    (``optimizer.rank_layouts``) among those the mesh and batch allow, its model, and
+    a line that names it, the runner-up and the others with their modelled times."""
+    params = nnx.state(nnx.eval_shape(lambda: GPT(cfg.model, nnx.Rngs(0))))
+    ranked, preset = rank_layouts(cfg, params, mesh.sizes(), jax.devices()[0])
+    refused = {}
+    for estimate in ranked:
+        try:
+            layout, model = layout_and_model(estimate.layout, cfg, mesh)
+        except ValueError as err:
+            refused[estimate.layout] = str(err)
+            continue
+        others = [e for e in ranked if e is not estimate and e.layout not in refused]
+        line = (f"layout auto: {estimate.describe()}"
+                + (f"; runner-up {others[0].describe()}" if others else "")
+                + "".join(f"; {e.layout} {1e3 * e.seconds:,.1f} ms" for e in others[1:])
+                + "".join(f"; {name} refused: {why}" for name, why in refused.items())
+                + f" (modelled on {preset}: the optimizer and collectives of a step; "
+                  "docs/layouts.md#auto)")
+        return layout, model, line
+    raise ValueError(next(iter(refused.values())))
 
 
 class Programs(NamedTuple):
@@ -210,6 +243,7 @@ class Trainer:
             f"--out-dir {plan.run_dir.parent}")
         self.mesh_cfg, self.model_cfg, self.corpus, self.layout = (
             plan.mesh, plan.model, plan.corpus, plan.layout)
+        self.layout_choice = plan.choice
         self.rules = plan.rules
         key = programs_key(cfg, plan)
         if programs is None:
@@ -439,6 +473,8 @@ class Run:
               f"corpus {t.corpus.source}: {len(t.corpus.train):,} train / "
               f"{len(t.corpus.val):,} val tokens | val unigram entropy {self.entropy:.3f} | "
               f"run dir {self.dir}")
+        if t.layout_choice:
+            t.log(t.layout_choice)
         groups = t.optimizer.leaf_groups
         t.log(f"optimizer {t.cfg.optim}, layout {t.layout.name}: " + ", ".join(
             f"{groups.count(g)} leaves {g}" for g in sorted(set(groups))) +

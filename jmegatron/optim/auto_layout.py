@@ -1,0 +1,291 @@
+"""``--layout auto``: the layout whose modelled step is shortest for a mesh, a model
+and an optimizer, decided from the params' shapes alone (nothing is compiled).
+
+Per device and step, for each layout the mesh allows (``candidates``):
+
+  optimizer    the matrix optimizer's FLOPs on one rank (``cost`` per matrix):
+               every rank runs every matrix under replicated and fsdp ("stock
+               FSDP-Muon"), its own whole matrices under layerwise and owner, a
+               rank's ceil(L / owners) slots of an L-layer stack (padding counts:
+               the busiest rank sets the step), at the preset's mfu x peak;
+  collectives  the bytes one rank sends, by ring algorithms (an all-gather or a
+               reduce-scatter over n ranks sends (n - 1) / n of the whole, an
+               all-reduce twice that), over NVLink where every group of the
+               collective stays in one node, else InfiniBand
+               (``cost_model.comm_cost``), plus one latency per launch;
+  memory       params, gradients and optimizer state per device. A layout whose
+               share exceeds ``MEMORY_SHARE`` of the device's memory is chosen only
+               when no layout fits.
+
+What each layout sends, per trained leaf (e: the elements a rank computes with; f:
+the ZeRO-3 group (``fsdp``) the leaf is split over; R: the batch ranks holding
+copies of the same elements, over which gradients are summed):
+
+  replicated  gradients all-reduced over R.
+  layerwise   matrix stacks: gradients reduce-scattered to their owners, updated
+              params all-gathered in the master dtype; other leaves as replicated.
+  fsdp        per layer: gathered for the forward and again for the backward in the
+              compute dtype, gradients reduce-scattered, then all-reduced over the
+              other batch ranks; matrices: gathered once more for the optimizer.
+  owner       like fsdp, but a group of f layers is gathered at once, the backward
+              gathers again only with more than one group (and not with
+              ``keep_gathered``), and the optimizer gathers nothing.
+
+The forward and backward FLOPs are equal under every layout and left out, so the
+modelled times rank layouts; they are not step times. Gradient sums are counted in
+the compute dtype (what accelerators run; XLA:CPU widens bf16 sums to f32).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Mapping, NamedTuple, Sequence
+
+import jax
+from flax import nnx
+
+from jmegatron.optim.placement import place
+from jmegatron.optim.routing import MATRIX, MatrixFlops, Routing, routed
+from jmegatron.sharding import rules as ax
+from jmegatron.sharding.cost_model import CommCost, Hardware, comm_cost, hardware, preset_for
+from jmegatron.sharding.layouts import LAYOUTS, Layout, make_layout
+from jmegatron.sharding.mesh import BATCH_AXES
+
+MEMORY_SHARE = 0.8      # of the device's memory for params, gradients and state
+# Optimizer state per element, in bytes, where the caller does not say: Muon's fp32
+# momentum for matrices, AdamW's two fp32 moments for the rest.
+STATE_BYTES = (4, 8)
+
+
+class Transfer(NamedTuple):
+    """One collective a layout runs (``cost_model.CollectiveLike``)."""
+
+    kind: str
+    axes: tuple[str, ...]
+    group_size: int
+    executions: int
+    bytes_per_device: float   # per execution
+
+
+@dataclasses.dataclass(frozen=True)
+class LayoutEstimate:
+    """One layout's modelled step on one preset, per device."""
+
+    layout: str
+    optimizer_s: float       # the matrix optimizer's FLOPs on the busiest rank
+    comm: CommCost           # its collectives
+    memory_bytes: float      # params, gradients and optimizer state
+    fits: bool               # memory_bytes within MEMORY_SHARE of the device's
+
+    @property
+    def seconds(self) -> float:
+        """Optimizer and collectives, nothing overlapped."""
+        return self.optimizer_s + self.comm.seconds
+
+    def describe(self) -> str:
+        moved = self.comm.nvlink_bytes + self.comm.ib_bytes
+        return (f"{self.layout} {1e3 * self.seconds:,.1f} ms (optimizer "
+                f"{1e3 * self.optimizer_s:,.1f} + collectives {1e3 * self.comm.seconds:,.1f}, "
+                f"{moved / 1e6:,.1f} MB sent, {self.memory_bytes / 1e6:,.1f} MB "
+                f"params+grads+state{'' if self.fits else ', does not fit'})")
+
+
+class _Leaf(NamedTuple):
+    """What the model needs of one trained leaf under one layout."""
+
+    elements: int           # the whole leaf
+    local: float            # elements a device stores
+    gathered: tuple         # live ZeRO-3 mesh axes the leaf is split over (gathered to use)
+    reduced: tuple          # live batch axes holding copies (gradients summed over them)
+    sizes: Mapping[str, int]
+    master: int             # bytes per element as stored (fp32 masters: 4)
+    wire: int               # bytes per element in the compute dtype
+    layers: int             # leading stack of layers (1: none)
+    matrix_flops: float     # the optimizer's FLOPs on the whole leaf (0: not a matrix)
+    owners: int             # ranks its matrices are dealt to (1: every rank runs them all)
+
+    def size(self, axes) -> int:
+        return math.prod(self.sizes[a] for a in axes)
+
+    @property
+    def used(self) -> float:
+        """Elements a device computes with: the stored part gathered over ZeRO-3."""
+        return self.local * self.size(self.gathered)
+
+
+def _ring(kind: str, axes: tuple, leaf: _Leaf, elements: float, width: int,
+          executions: int) -> list[Transfer]:
+    """A ring collective of ``elements`` (the whole, per device) over ``axes``."""
+    n = leaf.size(axes)
+    if n <= 1:
+        return []
+    factor = 2 if kind == "all-reduce" else 1
+    return [Transfer(kind, axes, n, executions, factor * (n - 1) / n * elements * width
+                     / executions)]
+
+
+def _replicated(leaf: _Leaf, keep_gathered: bool) -> list[Transfer]:
+    return _ring("all-reduce", leaf.reduced, leaf, leaf.used, leaf.wire, leaf.layers)
+
+
+def _layerwise(leaf: _Leaf, keep_gathered: bool) -> list[Transfer]:
+    if leaf.owners <= 1:
+        return _replicated(leaf, keep_gathered)
+    return (_ring("reduce-scatter", leaf.reduced, leaf, leaf.used, leaf.wire, 1)
+            + _ring("all-gather", leaf.reduced, leaf, leaf.used, leaf.master, 1))
+
+
+def _sharded(leaf: _Leaf, gathers: int, launches: int) -> list[Transfer]:
+    """ZeRO-3's traffic: ``gathers`` all-gathers and a reduce-scatter over the
+    ZeRO-3 group, ``launches`` each, then the shard's sum over the other batch axes."""
+    used, g = leaf.used, leaf.gathered
+    out = []
+    for _ in range(gathers):
+        out += _ring("all-gather", g, leaf, used, leaf.wire, launches)
+    out += _ring("reduce-scatter", g, leaf, used, leaf.wire, launches)
+    return out + _ring("all-reduce", leaf.reduced, leaf, leaf.local, leaf.wire, launches)
+
+
+def _fsdp(leaf: _Leaf, keep_gathered: bool) -> list[Transfer]:
+    out = _sharded(leaf, 2, leaf.layers)
+    if leaf.matrix_flops:   # stock FSDP-Muon gathers each whole matrix to orthogonalize it
+        out += _ring("all-gather", leaf.gathered, leaf, leaf.used, leaf.master, 1)
+    return out
+
+
+def _owner(leaf: _Leaf, keep_gathered: bool) -> list[Transfer]:
+    groups = -(-leaf.layers // leaf.owners)
+    again = groups > 1 and not keep_gathered
+    return _sharded(leaf, 2 if again else 1, groups)
+
+
+TRAFFIC = {"replicated": _replicated, "layerwise": _layerwise, "fsdp": _fsdp, "owner": _owner}
+assert set(TRAFFIC) == set(LAYOUTS)
+
+
+def candidates(mesh_shape: Mapping[str, int], rules: ax.Rules = ax.DEFAULT_RULES
+               ) -> tuple[str, ...]:
+    """The layouts that differ on this mesh: replicated always; layerwise where a
+    batch axis is live; fsdp and owner where a ZeRO-3 axis is."""
+    live = lambda axes: any(mesh_shape.get(a, 1) > 1 for a in axes)
+    zero3 = live(ax.mesh_axes_of(ax.EMBED, rules))
+    return tuple(name for name, ok in (("replicated", True), ("layerwise", live(BATCH_AXES)),
+                                       ("fsdp", zero3), ("owner", zero3)) if ok)
+
+
+def _leaves(params, layout: Layout, mesh_shape: Mapping[str, int], cost: MatrixFlops,
+            routing: Routing) -> list[tuple[_Leaf, bool]]:
+    """(leaf, is_matrix) for every trained leaf of ``params`` under ``layout``."""
+    zero3 = ax.mesh_axes_of(ax.EMBED, ax.DEFAULT_RULES)
+    batch = [a for a in BATCH_AXES if mesh_shape.get(a, 1) > 1]
+    sizes = dict(mesh_shape)
+    out = []
+    for path, node in jax.tree.flatten_with_path(params, is_leaf=_is_variable)[0]:
+        leaf = routed(path, node, routing)
+        if leaf.route is None:
+            continue
+        logical = leaf.logical or (None,) * len(leaf.shape)
+        spec = [a for entry in layout.param_spec(logical) for a in ax.spec_axes(entry)]
+        is_matrix = leaf.route.kind == MATRIX
+        flops = (sum(p.count * cost(p.fan_in, p.fan_out) for p in leaf.route.spec.pieces(
+            leaf.shape)) if is_matrix else 0.0)
+        elements = math.prod(leaf.shape)
+        out.append((_Leaf(elements, elements / math.prod(sizes.get(a, 1) for a in spec),
+                          tuple(a for a in spec if a in zero3 and sizes.get(a, 1) > 1),
+                          tuple(a for a in batch if a not in spec), sizes,
+                          jax.tree.leaves(node)[0].dtype.itemsize,
+                          ax.compute_dtype_of(node).itemsize, _layers(leaf.shape, logical),
+                          flops, _owners(layout, leaf, logical, is_matrix)), is_matrix))
+    return out
+
+
+def _is_variable(node) -> bool:
+    return isinstance(node, nnx.Variable)
+
+
+def _layers(shape, logical) -> int:
+    """Layers stacked on the leaf's leading dims ([L, ...] or [L/g, g, ...]); 1: none."""
+    stacked = [n for n, name in zip(shape, logical[:2]) if name in (ax.LAYERS, ax.LAYER_GROUPS)]
+    return math.prod(stacked) if stacked else 1
+
+
+def _owners(layout: Layout, leaf, logical, is_matrix: bool) -> int:
+    """Ranks a stack's layers are dealt to: the owner layout's group of layers, the
+    layerwise layout's owners of a matrix stack (its placement); else 1."""
+    if _layers(leaf.shape, logical) == 1:
+        return 1
+    if layout.layer_group > 1:
+        return layout.layer_group
+    return place(leaf, layout).owners if is_matrix and leaf.logical else 1
+
+
+def estimate(params, mesh_shape: Mapping[str, int], hw: Hardware | str,
+             layouts: Sequence[str] | None = None, cost: MatrixFlops | None = None,
+             routing: Routing = Routing(), rules: ax.Rules = ax.DEFAULT_RULES,
+             keep_gathered: bool = False, state_bytes: tuple[int, int] = STATE_BYTES
+             ) -> list[LayoutEstimate]:
+    """Each layout's modelled step, shortest first (layouts that fit first).
+
+    Args:
+      params: the params (abstract is enough: shapes, logical axes and compute
+        dtypes are read), stacked [L, ...] or grouped [L/g, g, ...].
+      mesh_shape: axis name -> size, in the mesh's order (``mesh.shape``).
+      hw: a ``cost_model.Hardware`` or the name of a preset.
+      layouts: the layouts to compare; None: ``candidates(mesh_shape)``.
+      cost: the optimizer's FLOPs of one matrix, ``(fan_in, fan_out) -> FLOPs``
+        (the registry's ``matrix_flops``); None: no matrix optimizer (AdamW).
+      routing: which leaves are matrices.
+      rules: the logical-to-mesh rules the layouts are built on.
+      keep_gathered: the owner backward reuses the forward's gathered weights.
+      state_bytes: optimizer state per element, (matrices, other leaves).
+
+    Returns:
+      One ``LayoutEstimate`` per layout: those that fit first, then by seconds,
+      then by memory.
+    """
+    hw = hardware(hw) if isinstance(hw, str) else hw
+    cost = cost or (lambda fan_in, fan_out: 0)
+    out = []
+    for name in layouts or candidates(mesh_shape, rules):
+        layout = make_layout(name, mesh_shape, rules)
+        transfers, flops, memory = [], 0.0, 0.0
+        for leaf, is_matrix in _leaves(params, layout, mesh_shape, cost, routing):
+            transfers += TRAFFIC[name](leaf, keep_gathered)
+            slots = -(-leaf.layers // leaf.owners) / leaf.layers
+            split = leaf.used / leaf.elements   # tensor and expert splits
+            flops += leaf.matrix_flops * split * slots
+            # Params and gradients as stored; state on the leaf's owners only.
+            memory += 2 * leaf.local * leaf.master + (
+                state_bytes[0] if is_matrix else state_bytes[1]) * min(leaf.local,
+                                                                       leaf.used * slots)
+        memory_ok = memory <= MEMORY_SHARE * hw.hbm_gb * 1e9
+        out.append(LayoutEstimate(name, flops / hw.flops_per_s,
+                                  comm_cost(transfers, mesh_shape, hw), memory, memory_ok))
+    return sorted(out, key=lambda e: (not e.fits, e.seconds, e.memory_bytes))
+
+
+def choose(params, mesh: jax.sharding.Mesh, rules: ax.Rules = ax.DEFAULT_RULES,
+           cost: MatrixFlops | None = None, routing: Routing = Routing()) -> Layout:
+    """``make_plan(..., layout="auto")``: the layout with the shortest modelled step on
+    the preset of ``mesh``'s devices among those ``params`` are stacked for (owner
+    needs block weights grouped [L/f, f, ...]: build the model with the owner
+    layout's ``stack_fields`` for it to be considered)."""
+    device = mesh.devices.flat[0]
+    preset, _ = preset_for(device.platform, device.device_kind)
+    ranked = [make_layout(e.layout, mesh.shape, rules)
+              for e in estimate(params, mesh.shape, preset, cost=cost, routing=routing,
+                                rules=rules)]
+    return next(layout for layout in ranked if _stacked_for(layout, params, routing))
+
+
+def _stacked_for(layout: Layout, params, routing: Routing) -> bool:
+    """Whether every matrix leaf of ``params`` can live under ``layout``."""
+    for path, node in jax.tree.flatten_with_path(params, is_leaf=_is_variable)[0]:
+        leaf = routed(path, node, routing)
+        if leaf.route is not None and leaf.route.kind == MATRIX and leaf.logical:
+            try:
+                layout.check_matrix(leaf.path, leaf.logical)
+            except ValueError:
+                return False
+    return True
