@@ -1,0 +1,124 @@
+"""``--layout auto`` (``jmegatron.optim.auto_layout``): its model against what
+``experiments.bench_layouts`` measured, its memory limit, the layouts a mesh
+allows, ``make_plan(..., layout="auto")`` and the trainer's choice.
+
+Nothing here compiles: the model reads abstract params.
+"""
+
+import dataclasses
+import itertools
+
+import jax
+import pytest
+from flax import nnx
+
+from experiments.bench_layouts import model_config as bench_model
+from experiments.presets import tiny
+from experiments.project_scale import model_config as scale_model
+from jmegatron.models import GPT
+from jmegatron.optim import make_plan
+from jmegatron.optim.auto_layout import MEMORY_SHARE, candidates, estimate
+from jmegatron.sharding import MeshConfig, make_mesh
+from jmegatron.sharding.cost_model import preset_for
+from jmegatron.train.config import TrainConfig
+from jmegatron.train.loop import plan_run
+from jmegatron.train.registry import OPTIMIZERS
+
+MUON = OPTIMIZERS["muon"].matrix_flops(TrainConfig())
+MESH = dict(stage=1, data=1, fsdp=1, tensor=1, expert=1)
+
+# Train-step milliseconds per layout that bench_layouts measured on the 2-core CPU
+# (docs/benchmarks.md): the dense model at 1dd852f (2026-12-02, "Optimizer
+# layouts"), 12 layers on 8 owners at 6f0f57e ("padded layer counts"), the MoE
+# model at f0d751b (2026-12-03, "mixture of experts", the --keep-gathered run).
+MEASURED = {
+    "dense": (bench_model(False), dict(fsdp=8),
+              dict(replicated=13048, layerwise=2839, fsdp=11223, owner=3210)),
+    "padded": (bench_model(True, 12), dict(fsdp=8),
+               dict(replicated=4756, layerwise=1596, fsdp=4447, owner=1838)),
+    "moe": (bench_model(True, 8, 8), dict(fsdp=4, expert=2),
+            dict(replicated=5784, layerwise=2352, fsdp=5119, owner=2619)),
+}
+# Two layouts whose measured times are closer than this are a tie: the ratios of
+# owner and layerwise moved by up to 1.15x between days on these shared cores
+# (docs/benchmarks.md, "Optimizer layouts").
+NOISE = 1.25
+
+
+def abstract(model):
+    return nnx.state(nnx.eval_shape(lambda: GPT(model, nnx.Rngs(0))))
+
+
+@pytest.mark.parametrize("setting", MEASURED)
+def test_the_choice_follows_the_measured_bench_layouts_order(setting):
+    model, mesh, measured = MEASURED[setting]
+    ranked = estimate(abstract(model), {**MESH, **mesh}, "cpu", cost=MUON)
+    modelled = {e.layout: e.seconds for e in ranked}
+    assert set(modelled) == set(measured)
+    fastest = min(measured.values())
+    assert measured[ranked[0].layout] <= NOISE * fastest, (ranked[0].layout, measured)
+    for a, b in itertools.permutations(measured, 2):
+        if measured[a] * NOISE < measured[b]:   # measured clearly faster
+            assert modelled[a] < modelled[b], (a, b, modelled)
+
+
+def test_the_modelled_bytes_are_the_compiled_programs():
+    """bench_layouts read the bytes each layout's compiled train step sends per device
+    (dense model, 1dd852f: forward + backward, plus the optimizer step's). fsdp is
+    left out: XLA:CPU sums its gradients by all-reduce (2x a reduce-scatter's
+    bytes), which the model does not copy (accelerators reduce-scatter)."""
+    compiled = dict(replicated=193.7e6, layerwise=98.2e6 + 95.4e6, owner=194.6e6)
+    model, mesh, _ = MEASURED["dense"]
+    for e in estimate(abstract(model), {**MESH, **mesh}, "cpu", cost=MUON):
+        if e.layout in compiled:
+            sent = e.comm.nvlink_bytes + e.comm.ib_bytes
+            assert sent == pytest.approx(compiled[e.layout], rel=0.03), e.describe()
+
+
+def test_a_model_too_large_to_replicate_is_not_replicated():
+    params = abstract(scale_model("llama-7b"))
+    by_name = {e.layout: e for e in estimate(params, {**MESH, "data": 8}, "h100", cost=MUON)}
+    assert not by_name["replicated"].fits   # 7B: fp32 params, gradients and state
+    assert by_name["replicated"].memory_bytes > MEMORY_SHARE * 80e9
+    ranked = estimate(params, {**MESH, "fsdp": 8}, "h100", cost=MUON)
+    assert ranked[0].layout in ("owner", "layerwise"), [e.describe() for e in ranked]
+    assert {e.layout for e in ranked[2:]} == {"fsdp", "replicated"}
+
+
+@pytest.mark.parametrize("mesh, allowed", [
+    (dict(), ("replicated",)),
+    (dict(tensor=8), ("replicated",)),
+    (dict(data=8), ("replicated", "layerwise")),
+    (dict(data=2, fsdp=2, tensor=2), ("replicated", "layerwise", "fsdp", "owner")),
+])
+def test_the_layouts_a_mesh_allows(mesh, allowed):
+    assert candidates({**MESH, **mesh}) == allowed
+
+
+def test_presets_by_device_kind():
+    assert preset_for("cpu", "cpu") == ("cpu", True)
+    assert preset_for("gpu", "NVIDIA H100 80GB HBM3") == ("h100", True)
+    assert preset_for("gpu", "NVIDIA H200") == ("h200", True)
+    assert preset_for("gpu", "Tesla T4") == ("h100", False)
+
+
+def test_make_plan_chooses_among_the_layouts_the_params_are_stacked_for():
+    mesh = make_mesh(MeshConfig(data=1, fsdp=8, tensor=1))
+    model = tiny().model
+    ranked = [e.layout for e in estimate(abstract(model), mesh.shape, "cpu")]
+    flat = make_plan(abstract(model), mesh, "auto")
+    assert flat.layout.name == next(name for name in ranked if name != "owner")
+    grouped = abstract(dataclasses.replace(model, layer_group=8))
+    assert make_plan(grouped, mesh, "auto").layout.name == estimate(
+        grouped, mesh.shape, "cpu")[0].layout
+
+
+def test_the_default_run_chooses_the_layout_it_measured_fastest(tmp_path):
+    """``python -m experiments.train`` (data 2 x fsdp 2 x tensor 2) with each layout,
+    2026-12-05: 300 steps in 86 s (layerwise), 101 s (owner), 103 s (replicated),
+    104 s (fsdp), every one to val loss 1.539."""
+    plan = plan_run(dataclasses.replace(tiny(), out_dir=str(tmp_path)))
+    assert plan.layout.name == "layerwise"
+    assert plan.choice.startswith("layout auto: layerwise "), plan.choice
+    assert "runner-up owner" in plan.choice and "(modelled on cpu" in plan.choice
+    assert jax.device_count() == 8
