@@ -109,6 +109,11 @@ class _Leaf(NamedTuple):
         return math.prod(self.sizes[a] for a in axes)
 
     @property
+    def padding(self) -> float:
+        """A stack dealt to its owners in whole rounds: padded slots over real layers."""
+        return -(-self.layers // self.owners) * self.owners / self.layers
+
+    @property
     def used(self) -> float:
         """Elements a device computes with: the stored part gathered over ZeRO-3."""
         return self.local * self.size(self.gathered)
@@ -132,23 +137,27 @@ def _replicated(leaf: _Leaf, keep_gathered: bool) -> list[Transfer]:
 def _layerwise(leaf: _Leaf, keep_gathered: bool) -> list[Transfer]:
     if leaf.owners <= 1:
         return _replicated(leaf, keep_gathered)
-    return (_ring("reduce-scatter", leaf.reduced, leaf, leaf.used, leaf.wire, 1)
-            + _ring("all-gather", leaf.reduced, leaf, leaf.used, leaf.master, 1))
+    gather = _ring("all-gather", leaf.reduced, leaf, leaf.used * leaf.padding, leaf.master, 1)
+    if leaf.layers % leaf.owners:   # dealt round-robin: all-reduced, each owner keeps its own
+        return _replicated(leaf, keep_gathered) + gather
+    return _ring("reduce-scatter", leaf.reduced, leaf, leaf.used, leaf.wire, 1) + gather
 
 
-def _sharded(leaf: _Leaf, gathers: int, launches: int) -> list[Transfer]:
-    """ZeRO-3's traffic: ``gathers`` all-gathers and a reduce-scatter over the
-    ZeRO-3 group, ``launches`` each, then the shard's sum over the other batch axes."""
-    used, g = leaf.used, leaf.gathered
+def _sharded(leaf: _Leaf, gathers: int, launches: int, used: float) -> list[Transfer]:
+    """ZeRO-3's traffic: ``gathers`` all-gathers and a reduce-scatter of ``used``
+    elements over the ZeRO-3 group, ``launches`` each, then the shard's sum over the
+    other batch axes."""
+    g = leaf.gathered
     out = []
     for _ in range(gathers):
         out += _ring("all-gather", g, leaf, used, leaf.wire, launches)
     out += _ring("reduce-scatter", g, leaf, used, leaf.wire, launches)
-    return out + _ring("all-reduce", leaf.reduced, leaf, leaf.local, leaf.wire, launches)
+    return out + _ring("all-reduce", leaf.reduced, leaf, used / leaf.size(g), leaf.wire,
+                       launches)
 
 
 def _fsdp(leaf: _Leaf, keep_gathered: bool) -> list[Transfer]:
-    out = _sharded(leaf, 2, leaf.layers)
+    out = _sharded(leaf, 2, leaf.layers, leaf.used)
     if leaf.matrix_flops:   # stock FSDP-Muon gathers each whole matrix to orthogonalize it
         out += _ring("all-gather", leaf.gathered, leaf, leaf.used, leaf.master, 1)
     return out
@@ -157,7 +166,7 @@ def _fsdp(leaf: _Leaf, keep_gathered: bool) -> list[Transfer]:
 def _owner(leaf: _Leaf, keep_gathered: bool) -> list[Transfer]:
     groups = -(-leaf.layers // leaf.owners)
     again = groups > 1 and not keep_gathered
-    return _sharded(leaf, 2 if again else 1, groups)
+    return _sharded(leaf, 2 if again else 1, groups, leaf.used * leaf.padding)
 
 
 TRAFFIC = {"replicated": _replicated, "layerwise": _layerwise, "fsdp": _fsdp, "owner": _owner}
@@ -252,7 +261,7 @@ def estimate(params, mesh_shape: Mapping[str, int], hw: Hardware | str,
         transfers, flops, memory = [], 0.0, 0.0
         for leaf, is_matrix in _leaves(params, layout, mesh_shape, cost, routing):
             transfers += TRAFFIC[name](leaf, keep_gathered)
-            slots = -(-leaf.layers // leaf.owners) / leaf.layers
+            slots = leaf.padding / leaf.owners   # of the stack, on the busiest rank
             split = leaf.used / leaf.elements   # tensor and expert splits
             flops += leaf.matrix_flops * split * slots
             # Params and gradients as stored; state on the leaf's owners only.
