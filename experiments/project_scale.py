@@ -43,10 +43,12 @@ the projection inherits:
   - the owner layout gathers whole groups of f layer slots: with f = 64 and
     32 layers, half of every gather is padding (llama-7b/fsdp64), and
     layerwise pads its stacks the same way;
-  - the MoE's CPU-runnable dropless exchange is a padded all_to_all sized for
-    the worst case (every token on one expert rank): about 90% of
-    qwen3-30b-a3b's train-step bytes; a ragged exchange (GPU) or capacity
-    dispatch would send far less.
+  - the MoE settings use capacity dispatch (factor 1.25), which drops what
+    overflows an expert; the dropless exchange that compiles on XLA:CPU is a
+    padded all_to_all sized for the worst case (every token on one expert
+    rank): about 90% of qwen3-30b-a3b's train-step bytes (the opt-in
+    ``qwen3-30b-a3b-dropless`` settings). The ragged exchange would send the
+    routed rows only, but XLA:CPU cannot compile it.
 
 Communication-reduced optimizers: MuonBP (``--optim muon_bp``, period P = 5) and
 Dion2 (``--optim dion2``, its defaults) on llama-7b at fsdp 8, 32 and 64 (settings
@@ -75,8 +77,15 @@ Choices per model (stated in the output too):
   llama-7b       32 layers, D=4096, F=11008, 32 heads (MHA), V=32000, untied,
                  T=4096, 1 sequence per batch rank, full remat
   qwen3-30b-a3b  48 MoE layers, D=2048, 32 q / 4 kv heads of H=128, QK-norm,
-                 128 experts top-8 of F=768 (dropless), V=151936, untied, T=4096,
-                 1 sequence per batch rank, full remat
+                 128 experts top-8 of F=768, V=151936, untied, T=4096,
+                 1 sequence per batch rank, full remat; capacity dispatch (factor
+                 1.25: each expert takes at most 1.25x its share of a device's
+                 assignments, the rest are dropped), whose exchange is 1.25x the
+                 routed rows. The dropless exchange XLA:CPU compiles is a padded
+                 all_to_all sized for every token on one rank (P x the rows:
+                 settings qwen3-30b-a3b-dropless/..., opt-in); the ragged one
+                 (``MoEConfig(exchange="ragged")``) moves only the routed rows but
+                 does not compile on XLA:CPU, so it cannot be projected here
 Every model computes in bf16 with fp32 master weights; Muon with bf16
 Newton-Schulz matmuls (5 quintic steps) for hidden matrices, AdamW for the rest;
 no gradient clipping (as bench_layouts).
@@ -235,6 +244,10 @@ SETTINGS: tuple[Setting, ...] = (
             layouts=LAYOUT_NAMES),
     Setting("qwen3-30b-a3b/fsdp8-ep8", "qwen3-30b-a3b", {"fsdp": 8, "expert": 8}, 64, 4096,
             layouts=LAYOUT_NAMES),
+    # The padded dropless exchange, for comparison (opt-in: name them in --settings).
+    *(Setting(f"qwen3-30b-a3b-dropless/{mesh}", "qwen3-30b-a3b-dropless",
+              {"fsdp": fsdp, "expert": 8}, 8 * fsdp, 4096, layouts=LAYOUT_NAMES,
+              group="dropless") for mesh, fsdp in (("fsdp4-ep8", 4), ("fsdp8-ep8", 8))),
     *_megatron_settings(),
     *_optimizer_settings(),
     *_pipeline_settings(),
@@ -266,10 +279,13 @@ def model_config(name: str, tensor: int = 1):
     elif name == "llama-7b":
         cfg = GPTConfig(vocab_size=32000, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=32,
                         d_ff=11008, remat="full", **real)
-    elif name == "qwen3-30b-a3b":
+    elif name.startswith("qwen3-30b-a3b"):
+        dispatch = ("dropless" if name.endswith("-dropless")
+                    else dict(dispatch="capacity", capacity_factor=1.25))
         cfg = GPTConfig(vocab_size=151936, d_model=2048, n_layers=48, n_heads=32, n_kv_heads=4,
                         head_dim=128, d_ff=768, qk_norm=True, remat="full",
-                        moe=MoEConfig(n_experts=128, top_k=8, d_ff=768), **real)
+                        moe=MoEConfig(n_experts=128, top_k=8, d_ff=768,
+                                      **({} if dispatch == "dropless" else dispatch)), **real)
     elif name == "llama-70b":   # Llama 2 70B's shape
         cfg = GPTConfig(vocab_size=32000, d_model=8192, n_layers=80, n_heads=64, n_kv_heads=8,
                         d_ff=28672, remat="full", **real)
@@ -293,7 +309,8 @@ def model_config(name: str, tensor: int = 1):
                         **real)
     else:
         raise ValueError(f"unknown model {name!r}; choose one of ('small', 'gpt2-small', "
-                         f"'llama-7b', 'llama-70b', 'qwen3-30b-a3b', 'kimi-k2', "
+                         f"'llama-7b', 'llama-70b', 'qwen3-30b-a3b', 'qwen3-30b-a3b-dropless', "
+                         f"'kimi-k2', "
                          f"{', '.join(repr('megatron-' + k) for k in megatron)})")
     return cfg.pad_vocab(tensor)
 
@@ -453,6 +470,7 @@ def compile_layout(s: Setting, layout_name: str, fwd_bwd: bool = False, devices=
            "unknown_trip_counts": train_report.unknown_trip_counts,
            "train_collective_list": weighted(train_report, train_weights),
            "opt_collective_list": weighted(opt_report, opt_weights)}
+    row.update(exchange_bytes(s, cfg, mesh.shape, train_report.collectives))
     for program in ("train", "opt"):
         row[f"{program}_gpu_bytes_per_device"] = sum(
             c.bytes_per_device * c.executions for c in collectives_of(row, program))
@@ -524,6 +542,22 @@ class _Coll:
     group_size: int
     executions: int | float      # per step: averaged over MuonBP's period (weight) if not 1
     bytes_per_device: float
+
+
+def exchange_bytes(s: Setting, cfg, mesh_shape: dict, collectives) -> dict:
+    """A MoE train step's all-to-all bytes per device and the ideal: each exchange
+    (dispatch, combine, their transposes, a remat's recompute) moving only the routed
+    rows, tokens x top-k x D in the compute dtype, (P - 1) / P of them off the device."""
+    if not cfg.moe.n_experts:
+        return {}
+    import numpy as np
+    batch_ranks = math.prod(mesh_shape.get(a, 1) for a in ("data", "fsdp", "expert"))
+    tokens = s.batch * s.seq / (batch_ranks * s.microbatches)
+    rows = tokens * cfg.moe.top_k * cfg.d_model * np.dtype(cfg.dtype).itemsize
+    exchanges = [c for c in collectives if c.kind.endswith("all-to-all")]
+    return {"a2a_bytes_per_device": sum(c.bytes_per_device * c.executions for c in exchanges),
+            "a2a_ideal_bytes_per_device": sum(rows * (c.group_size - 1) / c.group_size
+                                              * c.executions for c in exchanges)}
 
 
 def collectives_of(row: dict, program: str) -> list[_Coll]:
@@ -664,7 +698,14 @@ def print_model_tables(rows: list[dict], hardware: list[str]) -> None:
                         for hw in hardware})
                 for r in rows if r["model"] == model]
         print(f"\n{model} ({mine[0]['params_b']:.2f}B params, T={mine[0]['seq']}):")
-        print_table(mine, columns)
+        moe = [("a2a_gb", "all-to-all GB/dev", ".2f"), ("a2a_vs_ideal", "vs ideal", ".2f")]
+        for r in mine:
+            if r.get("a2a_ideal_bytes_per_device"):
+                r.update(a2a_gb=r["a2a_bytes_per_device"] / 1e9,
+                         a2a_vs_ideal=r["a2a_bytes_per_device"] / r["a2a_ideal_bytes_per_device"])
+        print_table(mine, columns[:5] + moe + columns[5:] if "a2a_gb" in mine[0] else columns)
+    print("all-to-all GB/dev: the MoE exchanges' share of train GB/dev; vs ideal: over "
+          "tokens x top-k x D per exchange (the routed rows only, none padded or dropped).")
     print("GB/dev: the compiled program's bytes, bf16 buffers XLA:CPU widened to f32 at 2 "
           "bytes, as an accelerator sends them (hlo.Collective.widened). fits: params+state "
           "+ temporaries <= the GPU's memory (XLA:CPU's buffer assignment: indicative only).")
@@ -879,7 +920,7 @@ def selected(args) -> list[str]:
     return [s.name for s in SETTINGS if (args.slow or not s.slow)
             and (s.group != "megatron" or args.megatron) and s.group != "small"
             and (s.group != "optimizers" or args.optimizers)
-            and (s.group != "pipeline" or args.pipelines)]
+            and (s.group != "pipeline" or args.pipelines) and s.group != "dropless"]
 
 
 def parser() -> argparse.ArgumentParser:

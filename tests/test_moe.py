@@ -229,6 +229,30 @@ def test_tokens_travel_by_all_to_all_never_all_gathered(sharded):
     assert tensor.count("all-reduce", ("tensor",)) >= 1
 
 
+def test_capacity_exchange_sends_its_capacity_not_the_worst_case():
+    """Capacity dispatch at factor 1.25 sends each rank's E x C slots per exchange, C =
+    ceil(1.25 S k / E): 1.25x the routed rows S k, where the padded dropless exchange
+    sends P x them (above). Issue 43's goal: at most 1.5x."""
+    s_local, p = 64, 8
+    cfg = dataclasses.replace(CFG, moe=dataclasses.replace(MOE, dispatch="capacity",
+                                                           capacity_factor=1.25))
+    mesh = make_mesh(MESHES["expert8"])
+    graphdef, state = layer(cfg, mesh)
+    x = jax.device_put(jax.random.normal(jax.random.key(1), (p, s_local, CFG.d_model)),
+                       NamedSharding(mesh, logical_to_spec(("batch",), DEFAULT_RULES)))
+
+    def loss(state, x):
+        with activation_sharding(mesh):
+            return jnp.sum(nnx.merge(graphdef, state)(x)[0])
+    step = jax.jit(jax.grad(loss, argnums=(0, 1)))   # as inside a model: x's gradient too
+    report = parse_collectives(step.lower(state, x).compile().as_text(), mesh)
+    row = CFG.d_model * 4 * (p - 1) / p        # fp32 bytes of one row sent off the rank
+    slots = MOE.n_experts * math.ceil(1.25 * s_local * MOE.top_k / MOE.n_experts)
+    assert report.count("all-to-all", ("expert",)) == 4, report
+    assert report.bytes_per_device("all-to-all") == 4 * slots * row
+    assert slots / (s_local * MOE.top_k) == 1.25
+
+
 def emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets,
                                recv_sizes, *, axis_name):
     """``lax.ragged_all_to_all`` from all-gathers (XLA:CPU cannot run the real one)."""
