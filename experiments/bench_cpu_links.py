@@ -53,11 +53,15 @@ def matmul_rate(mesh, n: int = 512) -> float:
     return 2 * n ** 3 / seconds
 
 
+def parser() -> argparse.ArgumentParser:
+    cli = argparse.ArgumentParser(description=__doc__,
+                                  formatter_class=argparse.RawDescriptionHelpFormatter)
+    cli.add_argument("--devices", type=int, default=8)
+    return cli
+
+
 def main(args_list: list[str] | None = None) -> list[dict]:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--devices", type=int, default=8)
-    args = parser.parse_args(args_list)
+    args = parser().parse_args(args_list)
     jax.config.update("jax_num_cpu_devices", args.devices)
     mesh = jax.make_mesh((args.devices,), ("all",))
     rows = collective_rows(mesh, (0.004, 4, 64))
