@@ -37,6 +37,25 @@ def rows(measured):
     return {name: row for name, (_, row) in measured.items()}
 
 
+def test_auto_layouts_model_sends_what_the_compiled_train_steps_send(rows):
+    """``--layout auto``'s model (``optim.auto_layout``) against the compiled train
+    steps (forward, backward and update) of the small setting, from the params'
+    shapes alone. fsdp is left out: XLA:CPU sums its gradients by all-reduce (2x a
+    reduce-scatter's bytes), which the model does not copy (accelerators
+    reduce-scatter)."""
+    from jmegatron.optim.auto_layout import estimate
+    from jmegatron.train import TrainConfig
+    from jmegatron.train.registry import OPTIMIZERS
+    cfg = ps.model_config(SMALL.model)
+    params = nnx.state(nnx.eval_shape(lambda: GPT(cfg, nnx.Rngs(0))))
+    modelled = {e.layout: e.comm.nvlink_bytes + e.comm.ib_bytes for e in estimate(
+        params, rows["owner"]["mesh_shape"], "h100",
+        cost=OPTIMIZERS["muon"].matrix_flops(TrainConfig()))}
+    for name in ("replicated", "layerwise", "owner"):
+        assert modelled[name] == pytest.approx(rows[name]["train_bytes_per_device"], rel=0.02), \
+            (name, modelled[name], rows[name]["train_bytes_per_device"])
+
+
 @pytest.fixture(scope="module")
 def muon_bp_row():
     return ps.compile_layout(SMALL_BP, "fsdp")
