@@ -150,7 +150,7 @@ def choose_layout(cfg: TrainConfig, mesh: MeshConfig) -> tuple[Layout, GPTConfig
                 + "".join(f"; {e.layout} {1e3 * e.seconds:,.1f} ms" for e in others[1:])
                 + "".join(f"; {name} refused: {why}" for name, why in refused.items())
                 + f" (modelled on {preset}: the optimizer and collectives of a step; "
-                  "docs/layouts.md#auto)")
+                  "docs/layouts.md, 'auto')")
         return layout, model, line
     raise ValueError(next(iter(refused.values())))
 
