@@ -27,10 +27,10 @@ import jax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from jmegatron.optim import auto_layout
 from jmegatron.optim.codec import LeafCodec
 from jmegatron.optim.owners import ns_cost
 from jmegatron.optim.placement import Placement, ownership_report, place_all
-from jmegatron.optim import auto_layout
 from jmegatron.optim.routing import (ADAMW, MATRIX, LeafRoute, MatrixFlops, Route, Routing,
                                      describe_leaves,
                                      routed)
