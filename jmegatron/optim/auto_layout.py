@@ -184,9 +184,9 @@ def candidates(mesh_shape: Mapping[str, int], rules: ax.Rules = ax.DEFAULT_RULES
 
 
 def _leaves(params, layout: Layout, mesh_shape: Mapping[str, int], cost: MatrixFlops,
-            routing: Routing) -> list[tuple[_Leaf, bool]]:
-    """(leaf, is_matrix) for every trained leaf of ``params`` under ``layout``."""
-    zero3 = ax.mesh_axes_of(ax.EMBED, ax.DEFAULT_RULES)
+            routing: Routing, zero3: tuple[str, ...]) -> list[tuple[_Leaf, bool]]:
+    """(leaf, is_matrix) for every trained leaf of ``params`` under ``layout``;
+    ``zero3``: the mesh axes the rules split params over element-wise."""
     batch = [a for a in BATCH_AXES if mesh_shape.get(a, 1) > 1]
     sizes = dict(mesh_shape)
     out = []
@@ -259,7 +259,8 @@ def estimate(params, mesh_shape: Mapping[str, int], hw: Hardware | str,
     for name in layouts or candidates(mesh_shape, rules):
         layout = make_layout(name, mesh_shape, rules)
         transfers, flops, memory = [], 0.0, 0.0
-        for leaf, is_matrix in _leaves(params, layout, mesh_shape, cost, routing):
+        for leaf, is_matrix in _leaves(params, layout, mesh_shape, cost, routing,
+                                       ax.mesh_axes_of(ax.EMBED, rules)):
             transfers += TRAFFIC[name](leaf, keep_gathered)
             slots = leaf.padding / leaf.owners   # of the stack, on the busiest rank
             split = leaf.used / leaf.elements   # tensor and expert splits
