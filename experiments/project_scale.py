@@ -280,12 +280,11 @@ def model_config(name: str, tensor: int = 1):
         cfg = GPTConfig(vocab_size=32000, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=32,
                         d_ff=11008, remat="full", **real)
     elif name.startswith("qwen3-30b-a3b"):
-        dispatch = ("dropless" if name.endswith("-dropless")
+        dispatch = ({} if name.endswith("-dropless")
                     else dict(dispatch="capacity", capacity_factor=1.25))
         cfg = GPTConfig(vocab_size=151936, d_model=2048, n_layers=48, n_heads=32, n_kv_heads=4,
                         head_dim=128, d_ff=768, qk_norm=True, remat="full",
-                        moe=MoEConfig(n_experts=128, top_k=8, d_ff=768,
-                                      **({} if dispatch == "dropless" else dispatch)), **real)
+                        moe=MoEConfig(n_experts=128, top_k=8, d_ff=768, **dispatch), **real)
     elif name == "llama-70b":   # Llama 2 70B's shape
         cfg = GPTConfig(vocab_size=32000, d_model=8192, n_layers=80, n_heads=64, n_kv_heads=8,
                         d_ff=28672, remat="full", **real)
