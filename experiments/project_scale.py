@@ -714,6 +714,52 @@ def print_model_tables(rows: list[dict], hardware: list[str]) -> None:
               "'vs fsdp' compares with Muon's fsdp row of the same mesh.")
 
 
+def auto_rows(rows: list[dict], hardware: list[str]) -> list[dict]:
+    """``--layout auto``'s choice (``optim.auto_layout.estimate``, from the params'
+    shapes alone) for every setting with several layouts compiled, next to the
+    fastest compiled layout's projected step and the chosen one's."""
+    from flax import nnx
+    from jmegatron.models import GPT
+    from jmegatron.optim.auto_layout import estimate
+    from jmegatron.train.registry import OPTIMIZERS
+    out = []
+    for name in dict.fromkeys(r["setting"] for r in rows):
+        s = setting(name)
+        compiled = {r["variant"]: r for r in rows if r["setting"] == name
+                    and r["variant"] in LAYOUT_NAMES}
+        if len(compiled) < 2 or s.stages > 1:
+            continue
+        cfg = model_config(s.model, s.mesh.get("tensor", 1))
+        params = nnx.state(nnx.eval_shape(lambda: GPT(cfg, nnx.Rngs(0))))
+        entry = OPTIMIZERS.get(s.optim)
+        for hw in hardware:
+            ranked = [e for e in estimate(
+                params, compiled[next(iter(compiled))]["mesh_shape"], hw,
+                cost=entry.matrix_flops(train_config(s, "fsdp")) if entry else None)
+                if e.layout in compiled]
+            step = {k: r[f"{hw}_step_ms"] for k, r in compiled.items()}
+            fastest = min(step, key=step.get)
+            out.append({"setting": name, "hw": hw, "auto": ranked[0].layout,
+                        "auto_ms": 1e3 * ranked[0].seconds,
+                        "runner_up": ranked[1].layout if len(ranked) > 1 else "-",
+                        "fastest": fastest, "fastest_ms": step[fastest],
+                        "chosen_ms": step[ranked[0].layout],
+                        "vs_fastest": step[ranked[0].layout] / step[fastest]})
+    return out
+
+
+def print_auto_table(rows: list[dict]) -> None:
+    if not rows:
+        return
+    print("\n--layout auto (modelled from the params' shapes) against the compiled "
+          "projections: its choice, and the compiled step of the choice over the fastest's:")
+    print_table(rows, [("setting", "setting", ""), ("hw", "hardware", ""),
+                       ("auto", "auto", ""), ("auto_ms", "modelled ms", ".1f"),
+                       ("runner_up", "runner-up", ""), ("fastest", "fastest compiled", ""),
+                       ("fastest_ms", "its step ms", ".0f"), ("chosen_ms", "auto's step ms", ".0f"),
+                       ("vs_fastest", "vs fastest", ".3f")])
+
+
 def count_text(count: int | float) -> str:
     """A collective count: an int per call, or a period's average to one decimal."""
     return str(round(count)) if float(count).is_integer() else f"{count:.1f}"
@@ -966,6 +1012,8 @@ def main(args_list: list[str] | None = None) -> list[dict]:
                                   ("slow_ms", "ms", ".1f"), ("fast_ms", "ms", ".1f"),
                                   ("projected", "ratio", ".1f")])
     print_pipeline_table(scale, args.hardware)
+    chosen = auto_rows(scale, args.hardware)
+    print_auto_table(chosen)
     megatron = megatron_rows(rows)
     print_megatron(megatron)
     print_assumptions(sorted({*args.hardware, "a100", "v100-dgx2h"}))
@@ -973,6 +1021,7 @@ def main(args_list: list[str] | None = None) -> list[dict]:
     results += [{**r, "variant": f"optimizers: {r['optim']} {r['variant']}"}
                 for r in optimizers]
     results += [{**r, "variant": "anchor: " + r["variant"]} for r in anchor_rows]
+    results += [{**r, "variant": "auto: " + r["auto"]} for r in chosen]
     results += [{**r, "variant": "megatron: " + r["variant"]} for r in megatron]
     write_results("project_scale", results, args.out,
                   argv() if args_list is None else args_list)
