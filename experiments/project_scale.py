@@ -734,7 +734,7 @@ def auto_rows(rows: list[dict], hardware: list[str]) -> list[dict]:
         entry = OPTIMIZERS.get(s.optim)
         for hw in hardware:
             ranked = [e for e in estimate(
-                params, compiled[next(iter(compiled))]["mesh_shape"], hw,
+                params, next(iter(compiled.values()))["mesh_shape"], hw,
                 cost=entry.matrix_flops(train_config(s, "fsdp")) if entry else None)
                 if e.layout in compiled]
             step = {k: r[f"{hw}_step_ms"] for k, r in compiled.items()}

@@ -46,7 +46,7 @@ import jax
 from flax import nnx
 
 from jmegatron.optim.placement import place
-from jmegatron.optim.routing import MATRIX, MatrixFlops, Routing, routed
+from jmegatron.optim.routing import MATRIX, MatrixFlops, Routing, leaf_routes, routed
 from jmegatron.sharding import rules as ax
 from jmegatron.sharding.cost_model import CommCost, Hardware, comm_cost, hardware, preset_for
 from jmegatron.sharding.layouts import LAYOUTS, Layout, make_layout
@@ -275,14 +275,20 @@ def estimate(params, mesh_shape: Mapping[str, int], hw: Hardware | str,
     return sorted(out, key=lambda e: (not e.fits, e.seconds, e.memory_bytes))
 
 
+def preset_of(device) -> tuple[str, str]:
+    """The ``cost_model`` preset that models ``device`` (a ``jax.Device``), and its name
+    as the choice's line states it (an unknown accelerator says so)."""
+    preset, known = preset_for(device.platform, device.device_kind)
+    return preset, preset if known else f"{preset} (no preset for {device.device_kind!r})"
+
+
 def choose(params, mesh: jax.sharding.Mesh, rules: ax.Rules = ax.DEFAULT_RULES,
            cost: MatrixFlops | None = None, routing: Routing = Routing()) -> Layout:
     """``make_plan(..., layout="auto")``: the layout with the shortest modelled step on
     the preset of ``mesh``'s devices among those ``params`` are stacked for (owner
     needs block weights grouped [L/f, f, ...]: build the model with the owner
     layout's ``stack_fields`` for it to be considered)."""
-    device = mesh.devices.flat[0]
-    preset, _ = preset_for(device.platform, device.device_kind)
+    preset, _ = preset_of(mesh.devices.flat[0])
     ranked = [make_layout(e.layout, mesh.shape, rules)
               for e in estimate(params, mesh.shape, preset, cost=cost, routing=routing,
                                 rules=rules)]
@@ -291,9 +297,8 @@ def choose(params, mesh: jax.sharding.Mesh, rules: ax.Rules = ax.DEFAULT_RULES,
 
 def _stacked_for(layout: Layout, params, routing: Routing) -> bool:
     """Whether every matrix leaf of ``params`` can live under ``layout``."""
-    for path, node in jax.tree.flatten_with_path(params, is_leaf=_is_variable)[0]:
-        leaf = routed(path, node, routing)
-        if leaf.route is not None and leaf.route.kind == MATRIX and leaf.logical:
+    for leaf in leaf_routes(params, routing):
+        if leaf.route.kind == MATRIX and leaf.logical:
             try:
                 layout.check_matrix(leaf.path, leaf.logical)
             except ValueError:

@@ -9,11 +9,10 @@ import jax.numpy as jnp
 import optax
 
 from jmegatron.optim import ADAMW, AdamW, Routing, ShardingPlan, TensorParallel, make_plan
-from jmegatron.optim.auto_layout import STATE_BYTES, LayoutEstimate, estimate
+from jmegatron.optim.auto_layout import STATE_BYTES, LayoutEstimate, estimate, preset_of
 from jmegatron.optim.owners import ns_cost
 from jmegatron.optim.tensor_parallel import tp_note
 from jmegatron.sharding import rules as ax
-from jmegatron.sharding.cost_model import preset_for
 from jmegatron.sharding.layouts import Layout
 from jmegatron.sharding.rules import logical_axes_of
 from jmegatron.train.config import ScheduleConfig, TrainConfig
@@ -71,12 +70,12 @@ def rank_layouts(cfg: TrainConfig, abstract_params, mesh_shape, device
     (``optim.auto_layout.estimate``) for ``cfg``'s optimizer on the preset of
     ``device``, shortest first; and the preset's name as the log states it."""
     entry = OPTIMIZERS.get(cfg.optim)   # None: adamw
-    preset, known = preset_for(device.platform, device.device_kind)
+    preset, label = preset_of(device)
     ranked = estimate(abstract_params, mesh_shape, preset,
                       cost=entry.matrix_flops(cfg) if entry else None, routing=routing_of(cfg),
                       keep_gathered=cfg.model.keep_gathered,
                       state_bytes=STATE_BYTES if entry else (8, 8))
-    return ranked, preset if known else f"{preset} (no preset for {device.device_kind!r})"
+    return ranked, label
 
 
 # Every --optim but adamw (``registry.OPTIMIZERS``).
