@@ -106,15 +106,25 @@ def test_abstract_bytes_equal_the_allocated_programs(measured, layout_name):
     assert row["state_bytes_per_device"] == held + tokens.addressable_shards[0].data.nbytes + 8
 
 
+def _nccl_by_hand(c, bus_bytes_per_s: float) -> float:
+    """One NVLink node: NCCL's ring over the group, the faster of LL (6.6 us + 0.6 us a
+    step, half the bandwidth) and Simple (8.4 us + 3.4 us a step)."""
+    steps = {"all-reduce": 2 * (c.group_size - 1), "collective-permute": 1}.get(
+        c.kind, c.group_size - 1)
+    simple = 8.4e-6 + steps * 3.4e-6 + c.bytes_per_device / bus_bytes_per_s
+    ll = 6.6e-6 + steps * 0.6e-6 + c.bytes_per_device / (bus_bytes_per_s / 2)
+    return c.executions * min(simple, ll)
+
+
 def test_projection_by_hand_for_the_owner_layout(rows):
     """The owner train step on h100 (8 GPUs, one node: every collective on NVLink)."""
     row = rows["owner"]
     hw = cm.hardware("h100")
     colls = ps.collectives_of(row, "train")
     assert all(cm.within_node(c.axes, row["mesh_shape"], 8) for c in colls)
-    # Every collective: executions * (10 us + bytes / 450 GB/s); none is widened on
+    # Every collective by NCCL's ring at 370 of NVLink's 450 GB/s; none is widened on
     # this fp32 model, so its bytes are hlo's.
-    comm = sum(c.executions * (10e-6 + c.bytes_per_device / 450e9) for c in colls)
+    comm = sum(_nccl_by_hand(c, 370e9) for c in colls)
     assert sum(c.bytes_per_device * c.executions for c in colls) == row[
         "train_bytes_per_device"]
     # FLOPs at 40% of 989 TFLOP/s: the model's 6N-style count of 8 x 128 tokens over 8
@@ -134,16 +144,27 @@ def test_projection_by_hand_for_the_owner_layout(rows):
 
 def test_links_and_latency_by_hand():
     """A 2-node mesh (data=2 x fsdp=8 on h100): an fsdp group stays in its node, a data
-    group crosses nodes."""
+    group crosses nodes; NCCL's latencies grow with the ring's steps, and a small
+    message takes the low-latency protocol."""
     shape = {"data": 2, "fsdp": 8, "expert": 1, "tensor": 1}
     hw = cm.hardware("h100")
     inside = ps._Coll("all-gather", ("fsdp",), 8, 3, 7 / 8 * 80e6)     # 70 MB sent, 3 times
     across = ps._Coll("all-reduce", ("data",), 2, 2, 2 * 1 / 2 * 40e6)  # 40 MB sent, twice
-    cost = cm.comm_cost([inside, across], shape, hw)
-    assert cost.seconds == pytest.approx(3 * (10e-6 + 70e6 / 450e9) + 2 * (25e-6 + 40e6 / 50e9))
-    assert (cost.nvlink_bytes, cost.ib_bytes, cost.launches) == (210e6, 80e6, 5)
+    tiny = ps._Coll("all-reduce", ("fsdp",), 8, 1, 2 * 7 / 8 * 4096)
+    cost = cm.comm_cost([inside, across, tiny], shape, hw)
+    # Simple on NVLink: 8.4 us + 7 steps x 3.4 us, 370 GB/s; Simple over InfiniBand:
+    # 8.4 us + 2 network steps x 14 us, 0.96 x 50 GB/s; LL for 4 KB: 6.6 us + 14 x 0.6 us.
+    assert cost.seconds == pytest.approx(3 * (32.2e-6 + 70e6 / 370e9)
+                                         + 2 * (36.4e-6 + 40e6 / 48e9)
+                                         + 15.0e-6 + 7168 / 185e9)
+    assert (cost.nvlink_bytes, cost.ib_bytes, cost.launches) == (210e6 + 7168, 80e6, 6)
     assert not cm.within_node(("data", "fsdp"), shape, 8)
     assert cm.within_node(("data",), shape, 16)   # one NVLink domain of 16 holds both
+    assert cm.nodes_spanned(("data", "fsdp"), 16, shape, 8) == 2
+    # The measured CPU preset: one latency per collective, whatever its group.
+    cpu = cm.hardware("cpu")
+    assert cm.comm_cost([inside], shape, cpu).seconds == pytest.approx(
+        3 * (250e-6 + 70e6 / 0.5e9))
 
 
 def test_bad_names_fail_in_one_line():

@@ -11,8 +11,9 @@ Per device and step, for each layout the mesh allows (``candidates``):
   collectives  the bytes one rank sends, by ring algorithms (an all-gather or a
                reduce-scatter over n ranks sends (n - 1) / n of the whole, an
                all-reduce twice that), over NVLink where every group of the
-               collective stays in one node, else InfiniBand
-               (``cost_model.comm_cost``), plus one latency per launch;
+               collective stays in one node, else InfiniBand, each launch timed by
+               the preset's links (``cost_model.comm_cost``: NCCL's ring model on
+               GPUs, its latency growing with the ring's steps);
   memory       params, gradients and optimizer state per device. A layout whose
                share exceeds ``MEMORY_SHARE`` of the device's memory is chosen only
                when no layout fits.
