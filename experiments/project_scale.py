@@ -944,17 +944,19 @@ def megatron_rows(rows: list[dict]) -> list[dict]:
     return out
 
 
-MEGATRON_NOTE = """How each term was set (nothing from the 2, 4 and 8-GPU measurements): 39 TFLOP/s
-on one GPU is the paper's; 256 x 128 GEMM tiles, one per SM, from NVIDIA's Matrix
-Multiplication Background guide, on the V100's 80 SMs; element-wise traffic
-counted from the layer's code, at 750 of 900 GB/s (Jia et al. 2018, V100
+MEGATRON_NOTE = """\
+How each term was set (nothing from the 2, 4 and 8-GPU measurements): 39 TFLOP/s
+on one GPU is the paper's; 256 x 128 GEMM tiles, one per SM, from NVIDIA's
+Matrix Multiplication Background guide, on the V100's 80 SMs; element-wise
+traffic counted from the layer's code, at 750 of 900 GB/s (Jia et al. 2018, V100
 microbenchmarks); collectives by NCCL's own tuning model (src/graph/tuning.cc:
 latencies by protocol and ring steps) at 82% of NVLink's line rate (NCCL's
 maintainer, nccl-tests issue 212). 'matmul eff': the share of the full-wave
-speed the step's matmuls reach (their wave efficiency, FLOP-weighted). Left out: cuBLAS's choice of smaller
-tiles or split-K for some shapes, overlap of the all-reduces (the 2019 code ran
-them serially, as the projection does), and the 2019 code's own kernels (its
-unfused dropout and GeLU; jmegatron's layer has neither)."""
+speed the step's matmuls reach (their wave efficiency, FLOP-weighted). Left
+out: cuBLAS's choice of smaller tiles or split-K for some shapes, overlap of
+the all-reduces (the 2019 code ran them serially, as the projection does), and
+the 2019 code's own kernels (its unfused dropout and GeLU; jmegatron's layer
+has neither)."""
 
 
 def print_megatron(rows: list[dict]) -> None:

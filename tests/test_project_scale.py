@@ -119,7 +119,6 @@ def _nccl_by_hand(c, bus_bytes_per_s: float) -> float:
 def test_projection_by_hand_for_the_owner_layout(rows):
     """The owner train step on h100 (8 GPUs, one node: every collective on NVLink)."""
     row = rows["owner"]
-    hw = cm.hardware("h100")
     colls = ps.collectives_of(row, "train")
     assert all(cm.within_node(c.axes, row["mesh_shape"], 8) for c in colls)
     # Every collective by NCCL's ring at 370 of NVLink's 450 GB/s; none is widened on
