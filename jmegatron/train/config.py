@@ -431,7 +431,7 @@ class TrainConfig:
     sample_prompt: str = "def "
     """Text the samples continue."""
     sample_tokens: int = 100
-    """Length of each sample in tokens (bytes)."""
+    """Length of each sample in tokens (bytes); 0: no samples."""
     top_k: int = 10
     """Top-k sampling for the second sample (the first is greedy)."""
     seed: int = 0

@@ -592,16 +592,22 @@ class Run:
 
     def _evaluate(self, step: int) -> float:
         loss = self.t.evaluate()
-        greedy, top_k = self.t.samples(step)
-        self.metrics.write({"step": step, "eval_loss": loss, "eval_ppl": perplexity(loss),
-                            "sample_greedy": greedy, "sample_top_k": top_k})
+        record = {"step": step, "eval_loss": loss, "eval_ppl": perplexity(loss)}
+        # --sample-tokens 0: no samples, and no sampler compiled.
+        samples = self.t.samples(step) if self.t.cfg.sample_tokens else None
+        if samples:
+            record.update(sample_greedy=samples[0], sample_top_k=samples[1])
+        self.metrics.write(record)
         if not self.main:
             return loss
-        with (self.dir / "samples.txt").open("a") as f:
-            f.write(f"=== step {step} | val loss {loss:.3f}\n--- greedy\n{greedy}\n"
-                    f"--- top-{self.t.cfg.top_k}\n{top_k}\n\n")
-        tqdm.write(f"step {step}: val loss {loss:.3f} (ppl {perplexity(loss):.2f})\n"
-                   f"  greedy: {greedy[:120]!r}\n  top-k:  {top_k[:120]!r}")
+        line = f"step {step}: val loss {loss:.3f} (ppl {perplexity(loss):.2f})"
+        if samples:
+            greedy, top_k = samples
+            with (self.dir / "samples.txt").open("a") as f:
+                f.write(f"=== step {step} | val loss {loss:.3f}\n--- greedy\n{greedy}\n"
+                        f"--- top-{self.t.cfg.top_k}\n{top_k}\n\n")
+            line += f"\n  greedy: {greedy[:120]!r}\n  top-k:  {top_k[:120]!r}"
+        tqdm.write(line)
         return loss
 
     def _summarize(self, seconds: float, last: dict, eval_loss: float,
