@@ -166,9 +166,12 @@ MOE_MODEL = dataclasses.replace(MODEL, n_layers=6, moe=MoEConfig(
     n_experts=4, top_k=2, d_ff=16, first_dense=1, bias_rate=0.01))
 
 
-# MoE x owner x 4 stages, per schedule: 10-25 s each on 2 cores, and each pair of the
-# three is run by the default suite (MoE with owner on 2 stages x tensor 2, MoE on 4
-# stages under layerwise, owner on 4 stages with dense layers), so the triple is opt-in.
+# Cases whose every pair of (model, mesh, layout) another case of the same schedule
+# runs by default are opt-in (6-25 s each on 2 cores): MoE x owner x 4 stages (MoE with
+# owner on 2 stages x tensor 2, MoE on 4 stages under layerwise, owner on 4 stages
+# with dense layers), and, for circular and 1f1b, padded dense layers under layerwise
+# on 4 stages (the padded MoE stacks on 4 stages under layerwise, dense layers under
+# layerwise on 2 stages, dense layers on 4 stages under owner).
 PAIRWISE = pytest.mark.slow
 
 
@@ -300,7 +303,8 @@ def moe_ten_reference():
 @pytest.mark.parametrize("mesh_config, layout, model, want", [
     (MeshConfig(stage=2, fsdp=2, tensor=2), "owner", PADDED, "padded_reference"),
     (MeshConfig(stage=2, fsdp=2, tensor=2), "layerwise", MODEL, "reference"),
-    (MeshConfig(stage=4, data=2, fsdp=1), "layerwise", NINE, "nine_layer_reference"),
+    pytest.param(MeshConfig(stage=4, data=2, fsdp=1), "layerwise", NINE,
+                 "nine_layer_reference", marks=PAIRWISE),
     (MeshConfig(stage=4, data=2, fsdp=1), "owner", NINE, "nine_layer_reference"),
     (MeshConfig(stage=2, fsdp=2, tensor=2), "owner", MOE_MODEL, "moe_reference"),
     (MeshConfig(stage=2, fsdp=2, tensor=2), "layerwise",
@@ -349,7 +353,8 @@ def moe_only_reference():
     (MeshConfig(stage=2, fsdp=2, tensor=2), "owner", PADDED, "padded_reference"),
     (MeshConfig(stage=2, fsdp=2, tensor=2), "layerwise", MODEL, "reference"),
     (MeshConfig(stage=4, data=2, fsdp=1), "owner", MODEL, "reference"),
-    (MeshConfig(stage=4, data=2, fsdp=1), "layerwise", PADDED, "padded_reference"),
+    pytest.param(MeshConfig(stage=4, data=2, fsdp=1), "layerwise", PADDED, "padded_reference",
+                 marks=PAIRWISE),
     (MeshConfig(stage=2, fsdp=2, tensor=2), "owner", MOE_ONLY, "moe_only_reference"),
     (MeshConfig(stage=2, fsdp=2, tensor=2), "layerwise",
      dataclasses.replace(MOE_ONLY, remat="full"), "moe_only_reference"),
