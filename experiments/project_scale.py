@@ -923,7 +923,8 @@ def megatron_rows(rows: list[dict]) -> list[dict]:
         w, colls = work(s), collectives_of(r, "train")
         comm = cm.comm_cost(colls, r["mesh_shape"], hw).seconds
         comm300 = cm.comm_cost(colls, r["mesh_shape"], fast).seconds
-        matmul = cmp.matmul_seconds(w, rate, hw.sms)
+        full_waves = cmp.matmul_seconds(w, 1.0, hw.sms)   # at 1 FLOP/s: FLOPs over wave efficiency
+        matmul = full_waves / rate
         memory = cmp.memory_seconds(w, hw.hbm_gb_s * 1e9)
 
         def efficiency(seconds: float) -> float:
@@ -932,7 +933,7 @@ def megatron_rows(rows: list[dict]) -> list[dict]:
         out.append({"variant": r["setting"], "gpus": r["devices"], "params_b": r["params_b"],
                     "tp_allreduces": r["train_collectives"],
                     "tp_gb": r["train_bytes_per_device"] / 1e9,
-                    "wave": w.flops / cmp.matmul_seconds(w, 1.0, hw.sms),
+                    "wave": w.flops / full_waves,
                     "matmul_ms": 1e3 * matmul, "memory_ms": 1e3 * memory,
                     "comm_ms": 1e3 * comm,
                     "flops_only": efficiency(flops / hw.flops_per_s + comm),

@@ -595,13 +595,13 @@ class Run:
         record = {"step": step, "eval_loss": loss, "eval_ppl": perplexity(loss)}
         # --sample-tokens 0: no samples, and no sampler compiled.
         samples = self.t.samples(step) if self.t.cfg.sample_tokens else None
-        if samples:
+        if samples is not None:
             record.update(sample_greedy=samples[0], sample_top_k=samples[1])
         self.metrics.write(record)
         if not self.main:
             return loss
         line = f"step {step}: val loss {loss:.3f} (ppl {perplexity(loss):.2f})"
-        if samples:
+        if samples is not None:
             greedy, top_k = samples
             with (self.dir / "samples.txt").open("a") as f:
                 f.write(f"=== step {step} | val loss {loss:.3f}\n--- greedy\n{greedy}\n"
