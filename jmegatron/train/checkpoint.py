@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import gc
 import itertools
 import json
 import logging
@@ -190,8 +191,12 @@ class Checkpointer:
             return self.manager.restore(step, args=ocp.args.Composite(
                 state=ocp.args.StandardRestore(abstract)))["state"]
         except Exception as err:
-            raise CheckpointDamaged(f"checkpoint {self.directory / str(step)} is damaged: "
-                                    f"cannot read its arrays ({error_line(err)})") from None
+            reason = error_line(err)
+        # Raised outside the except block, so the refusal does not keep orbax's failed
+        # reads alive as its context.
+        _collect_failed_reads()
+        raise CheckpointDamaged(f"checkpoint {self.directory / str(step)} is damaged: "
+                                f"cannot read its arrays ({reason})")
 
     def _compare(self, step: int, loaded, sums: dict[str, str], verb: str) -> None:
         """Raises CheckpointDamaged naming the first leaf whose checksum differs."""
@@ -267,6 +272,21 @@ def _os_error(err: BaseException) -> str:
             return os.strerror(int(code.group(1))) + (f" (writing {files[-1]})" if files else "")
         err = err.__cause__ or err.__context__
     return error_line(first)
+
+
+def _collect_failed_reads() -> None:
+    """A failed read leaves orbax's other reads as futures whose errors nobody retrieved,
+    in reference cycles. Collected later, each logs its traceback from whatever
+    allocation triggers the collection, and on Python 3.11.7 one inside ast.parse breaks
+    that parse (CPython gh-106905). Collected now and quietly: the CheckpointDamaged
+    raised after this is the one report of the failure."""
+    log = logging.getLogger("asyncio")
+    level = log.level
+    log.setLevel(logging.CRITICAL)
+    try:
+        gc.collect()
+    finally:
+        log.setLevel(level)
 
 
 def _orbax_errors(record: logging.LogRecord) -> bool:
