@@ -2,6 +2,7 @@
 communicates what it claims in the optimizer step, and holds the memory it claims."""
 
 import dataclasses
+import math
 
 import chex
 import jax
@@ -17,6 +18,7 @@ from jmegatron.models.gpt import grouped_layers, ungroup
 from jmegatron.sharding import (DEFAULT_RULES, MeshConfig, hlo_collectives, make_mesh,
                                 parse_collectives)
 from jmegatron.sharding.layouts import LAYOUTS, make_layout
+from jmegatron.sharding.rules import spec_axes
 from jmegatron.train import (AdamWConfig, ScheduleConfig, TrainConfig, create_train_state,
                              make_loss_fn, make_train_step)
 from jmegatron.train.optimizer import make_optimizer
@@ -123,6 +125,21 @@ def test_bf16_three_steps_are_as_accurate_as_one_device(layout, bf16_reference, 
     device in bf16 would not do: the runs differ from each other by as much as
     bf16 differs from fp32, 0.043 to 0.053 here against 0.043.)"""
     params = train_three_steps(make_mesh(MeshConfig(data=2, fsdp=4)), layout, model=BF16)
+    assert distance(params, reference) <= BF16_SPREAD * bf16_reference, (
+        distance(params, reference), bf16_reference)
+
+
+@pytest.mark.parametrize("mesh_config", [MeshConfig(data=4, fsdp=1),
+                                         MeshConfig(data=2, fsdp=2, tensor=2)],
+                         ids=["batch_only", "tensor2"])
+def test_bf16_layerwise_masters_on_owners_are_as_accurate_as_one_device(
+        mesh_config, bf16_reference, reference):
+    """Where 4 owners divide the 4 layers, layerwise keeps a bf16 model's fp32 masters
+    on their owners and gathers bf16 weights (above, on 8 owners, the stacks are dealt
+    round-robin and stay replicated): three steps, with their reduce-scatters (batch
+    axes only) or XLA's sums (tensor 2), within ``BF16_SPREAD`` as above."""
+    devices = jax.devices()[:math.prod(mesh_config.sizes().values())]
+    params = train_three_steps(make_mesh(mesh_config, devices), "layerwise", model=BF16)
     assert distance(params, reference) <= BF16_SPREAD * bf16_reference, (
         distance(params, reference), bf16_reference)
 
@@ -390,21 +407,32 @@ def test_layerwise_reduce_scatters_gradients_onto_the_owners(fsdp8):
                                                      (MeshConfig(fsdp=4, tensor=2), False)],
                          ids=["batch-only", "tensor2"])
 def test_layerwise_bf16_model_sums_its_gradients_like_fsdp(mesh_config, scattered):
-    """A bf16 model: where only batch axes are live its matrix gradients are
-    reduce-scattered in bf16 (XLA:CPU widens them to fp32 and marks the reducer
-    promoted). With tensor axes live the stack is left to XLA's all-reduce: in a
-    shard_map manual over the batch axes only, Shardy gathered the weights over
-    tensor (2.1 MB per device against 1.4 MB in fp32 on this model). Either
-    way the gradients match fsdp's to bf16 round-off."""
+    """A bf16 model: its matrix stacks' fp32 masters live on their owners, and the
+    model's bf16 copy is gathered in bf16 (``ShardingPlan.model_weights``). Where only
+    batch axes are live the matrix gradients are reduce-scattered in bf16 (XLA:CPU
+    widens them to fp32 and marks the reducer promoted). With tensor axes live the
+    stack is left to XLA's all-reduce: in a shard_map manual over the batch axes
+    only, Shardy gathered the weights over tensor (2.1 MB per device against 1.4 MB
+    in fp32 on this model). Either way the gradients match fsdp's to bf16 round-off."""
     mesh, model = make_mesh(mesh_config), dataclasses.replace(WIDE, dtype="bfloat16")
     tokens = jax.device_put(batches()[0], jax.NamedSharding(mesh, jax.P(("data", "fsdp"))))
     grads = {}
     for name in ("fsdp", "layerwise"):
         layout, optimizer, graphdef, state = build(mesh, name, model)
         loss_fn = make_loss_fn(graphdef, model, mesh, layout)
-        grad = jax.jit(jax.grad(lambda p: loss_fn(p, tokens)[0]))
+        # As the train step does: the gradients of the weights the model computes with.
+        grad = jax.jit(lambda p, weights=optimizer.plan.model_weights, loss_fn=loss_fn: jax.grad(
+            lambda w: loss_fn(w, tokens)[0])(weights(p)))
         grads[name] = grad(state.params)["blocks"]
     text = grad.lower(state.params).compile().as_text()
+    # Per device: each master gathered whole over its owners, still split over tensor.
+    split = lambda spec: math.prod(mesh.shape[a] for entry in spec for a in spec_axes(entry))
+    masters = sum(x.size // split(leaf.model.spec)
+                  for leaf, x in zip(optimizer.plan.leaves, jax.tree.leaves(state.params))
+                  if leaf.model is not None)
+    gathers = parse_collectives(text, mesh).select("all-gather", ("fsdp",))
+    assert masters and all(c.widened == c.buffers for c in gathers), gathers
+    assert sum(c.buffer_bytes * c.executions for c in gathers) == 2 * masters, gathers
     scatters = [line for line in text.splitlines() if " reduce-scatter(" in line]
     assert len(scatters) == (len(jax.tree.leaves(state.params["blocks"])) if scattered else 0), \
         scatters

@@ -9,19 +9,21 @@ places, from the compiled program, where ``hlo`` counts a widened buffer at 2 by
 element (``Collective.widened``)."""
 
 import dataclasses
+import math
 import re
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 
 import helpers
-from jmegatron.models import GPTConfig, MoEConfig
+from jmegatron.models import GPT, GPTConfig, MoEConfig
 from jmegatron.models.gpt import ungroup
-from jmegatron.optim import trainable_params
+from jmegatron.optim import make_plan, trainable_params
 from jmegatron.sharding import MeshConfig, hlo_collectives, make_mesh
-from jmegatron.sharding.rules import compute_dtype_of
+from jmegatron.sharding.rules import compute_dtype_of, spec_axes
 from jmegatron.sharding.stacks import stack_of
 from jmegatron.train import AdamWConfig, ScheduleConfig, TrainConfig, make_loss_fn, make_train_step
 
@@ -40,12 +42,12 @@ def batches():
             for i in range(3)]
 
 
-def setup(mesh, dtype, layout="owner", model=MODEL):
+def setup(mesh, dtype, layout="owner", model=MODEL, microbatches=1):
     model = dataclasses.replace(model, dtype=dtype)
     layout, optimizer, graphdef, state = helpers.build(mesh, layout, model, TRAIN)
     cfg = dataclasses.replace(model, **layout.stack_fields)
-    step = make_train_step(make_loss_fn(graphdef, cfg, mesh, layout), optimizer, 1, mesh,
-                           layout.rules)
+    step = make_train_step(make_loss_fn(graphdef, cfg, mesh, layout), optimizer, microbatches,
+                           mesh, layout.rules)
     return state, step
 
 
@@ -135,3 +137,63 @@ def test_bf16_gradients_equal_one_device_in_bf16(layout, prefetch, one_device_bf
         b = np.asarray(want[path])
         np.testing.assert_allclose(np.asarray(a), b, rtol=0, atol=2e-2 * np.abs(b).max(),
                                    err_msg=jax.tree_util.keystr(path))
+
+
+# --- layerwise: fp32 masters on their owners, bf16 weights gathered once a step ---------
+
+OWNERS_DIVIDE = MeshConfig(data=4, fsdp=1)   # 4 owners, 4 layers: contiguous blocks
+
+
+def mesh_of(mesh_config):
+    return make_mesh(mesh_config, jax.devices()[:math.prod(mesh_config.sizes().values())])
+
+
+def layerwise_plan(dtype, mesh_config):
+    mesh = mesh_of(mesh_config)
+    model = GPT(dataclasses.replace(DENSE, dtype=dtype), nnx.Rngs(0))
+    return make_plan(nnx.split(model)[1], mesh, "layerwise")
+
+
+@pytest.mark.parametrize("dtype, mesh_config, kept", [
+    ("bfloat16", OWNERS_DIVIDE, True), ("float32", OWNERS_DIVIDE, False),
+    ("bfloat16", MESH, False)], ids=["bfloat16", "float32", "bfloat16_dealt"])
+def test_layerwise_keeps_a_bf16_models_masters_on_their_owners(dtype, mesh_config, kept):
+    """Megatron's distributed optimizer: a bf16 model's matrix stacks keep their fp32
+    params where their state lives, split over the owners (the model computes with a
+    bf16 copy, ``model_weights``); norm scales, embedding and head stay replicated. An
+    fp32 model, and stacks dealt round-robin (8 owners, 4 layers), keep replicated
+    params, as before."""
+    plan = layerwise_plan(dtype, mesh_config)
+    stacks = [leaf for leaf in plan.leaves if leaf.is_matrix and "blocks" in leaf.path]
+    assert len(stacks) == 4, [leaf.path for leaf in stacks]   # qkv, out, gate_up, down
+    owners = set(plan.layout.owner_axes)
+    on_owners = lambda spec: owners & {a for e in spec for a in spec_axes(e)}
+    for leaf in plan.leaves:
+        if leaf in stacks and kept:
+            assert leaf.param == leaf.held and on_owners(leaf.param), leaf
+            assert leaf.model.dtype == jnp.bfloat16 and not on_owners(leaf.model.spec), leaf
+        else:
+            assert leaf.model is None and not on_owners(leaf.param), leaf
+
+
+def layerwise_gathers(dtype):
+    """The all-gathers of a layerwise train step of two microbatches, on 4 owners."""
+    mesh = mesh_of(OWNERS_DIVIDE)
+    state, step = setup(mesh, dtype, "layerwise", DENSE, microbatches=2)
+    report = hlo_collectives(step, state, jax.device_put(batches()[0]))
+    stacked = sum(x.size for path, x in jax.tree.leaves_with_path(state.params)
+                  if "blocks" in jax.tree_util.keystr(path) and x.ndim > 2)
+    return report.select("all-gather"), stacked
+
+
+def test_layerwise_gathers_a_bf16_models_weights_once_in_bf16():
+    """fp32: the owners' updated matrices are gathered in fp32 after the update.
+    bf16: the owners' masters are gathered once a step, before the microbatches, in
+    bf16: half the bytes. (XLA places these gathers; XLA:CPU widens them, and
+    ``hlo`` counts a widened buffer at 2 bytes.)"""
+    (fp32, elements), (bf16, _) = layerwise_gathers("float32"), layerwise_gathers("bfloat16")
+    moved = lambda gathers: sum(c.buffer_bytes * c.executions for c in gathers)
+    assert fp32 and not any(c.widened for c in fp32), fp32
+    assert moved(fp32) == 4 * elements, (moved(fp32), elements)
+    assert bf16 and all(c.widened == c.buffers and c.executions == 1 for c in bf16), bf16
+    assert moved(bf16) == 2 * elements, (moved(bf16), elements)

@@ -105,6 +105,7 @@ class _Leaf(NamedTuple):
     layers: int             # leading stack of layers (1: none)
     matrix_flops: float     # the optimizer's FLOPs on the whole leaf (0: not a matrix)
     owners: int             # ranks its matrices are dealt to (1: every rank runs them all)
+    masters_on_owners: bool = False   # layerwise: stored on its owners, gathered to compute
 
     def size(self, axes) -> int:
         return math.prod(self.sizes[a] for a in axes)
@@ -116,8 +117,10 @@ class _Leaf(NamedTuple):
 
     @property
     def used(self) -> float:
-        """Elements a device computes with: the stored part gathered over ZeRO-3."""
-        return self.local * self.size(self.gathered)
+        """Elements a device computes with: the stored part gathered over ZeRO-3 (and
+        over its owners, for masters kept there)."""
+        return self.local * self.size(self.gathered) * (self.owners if self.masters_on_owners
+                                                        else 1)
 
 
 def _ring(kind: str, axes: tuple, leaf: _Leaf, elements: float, width: int,
@@ -138,7 +141,10 @@ def _replicated(leaf: _Leaf, keep_gathered: bool) -> list[Transfer]:
 def _layerwise(leaf: _Leaf, keep_gathered: bool) -> list[Transfer]:
     if leaf.owners <= 1:
         return _replicated(leaf, keep_gathered)
-    gather = _ring("all-gather", leaf.reduced, leaf, leaf.used * leaf.padding, leaf.master, 1)
+    # The updated params (fp32), or the masters on their owners cast to the compute
+    # dtype (Layout.masters_on_owners).
+    width = leaf.wire if leaf.masters_on_owners else leaf.master
+    gather = _ring("all-gather", leaf.reduced, leaf, leaf.used * leaf.padding, width, 1)
     if leaf.layers % leaf.owners:   # dealt round-robin: all-reduced, each owner keeps its own
         return _replicated(leaf, keep_gathered) + gather
     return _ring("reduce-scatter", leaf.reduced, leaf, leaf.used, leaf.wire, 1) + gather
@@ -200,13 +206,16 @@ def _leaves(params, layout: Layout, mesh_shape: Mapping[str, int], cost: MatrixF
         is_matrix = leaf.route.kind == MATRIX
         flops = (sum(p.count * cost(p.fan_in, p.fan_out) for p in leaf.route.spec.pieces(
             leaf.shape)) if is_matrix else 0.0)
-        elements = math.prod(leaf.shape)
-        out.append((_Leaf(elements, elements / math.prod(sizes.get(a, 1) for a in spec),
+        elements, layers = math.prod(leaf.shape), _layers(leaf.shape, logical)
+        owners = _owners(layout, leaf, logical, is_matrix)
+        masters = layout.masters_on_owners(ax.compute_dtype_of(node), owners, layers % owners > 0)
+        out.append((_Leaf(elements, elements / math.prod(sizes.get(a, 1) for a in spec)
+                          / (owners if masters else 1),
                           tuple(a for a in spec if a in zero3 and sizes.get(a, 1) > 1),
                           tuple(a for a in batch if a not in spec), sizes,
                           jax.tree.leaves(node)[0].dtype.itemsize,
-                          ax.compute_dtype_of(node).itemsize, _layers(leaf.shape, logical),
-                          flops, _owners(layout, leaf, logical, is_matrix)), is_matrix))
+                          ax.compute_dtype_of(node).itemsize, layers, flops, owners, masters),
+                    is_matrix))
     return out
 
 
@@ -266,10 +275,12 @@ def estimate(params, mesh_shape: Mapping[str, int], hw: Hardware | str,
             slots = leaf.padding / leaf.owners   # of the stack, on the busiest rank
             split = leaf.used / leaf.elements   # tensor and expert splits
             flops += leaf.matrix_flops * split * slots
-            # Params and gradients as stored; state on the leaf's owners only.
+            # Params and gradients as stored (and the model's copy of masters on
+            # owners); state on the leaf's owners only.
             memory += 2 * leaf.local * leaf.master + (
                 state_bytes[0] if is_matrix else state_bytes[1]) * min(leaf.local,
                                                                        leaf.used * slots)
+            memory += leaf.used * leaf.wire if leaf.masters_on_owners else 0
         memory_ok = memory <= MEMORY_SHARE * hw.hbm_gb * 1e9
         out.append(LayoutEstimate(name, flops / hw.flops_per_s,
                                   comm_cost(transfers, mesh_shape, hw), memory, memory_ok))

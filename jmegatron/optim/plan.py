@@ -21,9 +21,10 @@ else (counts, scalars) is replicated.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
@@ -68,6 +69,13 @@ def state_forms(cls: type) -> dict[str, str]:
     return _STATE_FORMS[cls]
 
 
+class ModelCopy(NamedTuple):
+    """The weights a model computes with, where they are not its params."""
+
+    spec: P             # their sharding: whole over the owners
+    dtype: jnp.dtype    # the dtype the leaf computes in
+
+
 @dataclasses.dataclass(frozen=True)
 class LeafPlan:
     """Everything decided about one leaf.
@@ -83,6 +91,8 @@ class LeafPlan:
         without a mesh, and for plain arrays.
       codec: the ``LeafCodec`` between the live param (and params-shaped state)
         and its canonical (checkpoint) form.
+      model: where the fp32 param lives on its owners (``Layout.masters_on_owners``),
+        the copy the model computes with: its sharding and dtype; None: the param.
     """
 
     path: str
@@ -92,6 +102,7 @@ class LeafPlan:
     param: P | None                   # the param's sharding (None without a mesh)
     placement: Placement | None       # a matrix leaf's state under the layout
     codec: LeafCodec                  # the param (and params-shaped state) <-> canonical
+    model: ModelCopy | None = None    # the model's copy of a master on its owners
 
     @property
     def is_matrix(self) -> bool:
@@ -200,6 +211,19 @@ class ShardingPlan:
 
     def param_shardings(self):
         return self.join(self.sharding(leaf.param) for leaf in self.leaves)
+
+    def model_weights(self, params):
+        """``params`` as the model computes with them: each master that lives on its
+        owners (``LeafPlan.model``) cast to its compute dtype, then gathered (once a
+        step: the train step calls this before its microbatches); the rest as is."""
+        if not any(leaf.model for leaf in self.leaves):
+            return params
+        pin = lambda x, spec: jax.lax.with_sharding_constraint(x, self.sharding(spec))
+        # Cast where the master lives (pinned there: XLA would gather fp32, then cast).
+        copy = lambda leaf: lambda x: pin(pin(x.astype(leaf.model.dtype), leaf.param),
+                                          leaf.model.spec)
+        return self.join(sub if leaf.model is None else jax.tree.map(copy(leaf), sub)
+                         for leaf, sub in zip(self.leaves, self.split(params)))
 
     def param_codecs(self, params):
         """A LeafCodec for every array of ``params`` (inside its variable)."""
@@ -326,13 +350,24 @@ def make_plan(params, mesh: jax.sharding.Mesh | None = None, layout: Layout | st
     trained = [r for r in routes if r.route is not None]
     placements = iter(place_all(trained, layout, cost) if layout is not None
                       else [None] * len(trained))
-    leaves = tuple(LeafPlan(r.path, r.shape, r.logical, r.route,
-                            None if layout is None else
-                            layout.param_spec(r.logical or (None,) * len(r.shape)),
-                            None if r.route is None else next(placements), _codec(node, r))
+    leaves = tuple(_leaf_plan(node, r, layout, None if r.route is None else next(placements))
                    for (_, node), r in zip(flat, routes))
     trained_treedef = jax.tree.structure(trainable_params(params), is_leaf=_is_variable)
     return ShardingPlan(leaves, treedef, trained_treedef, mesh, layout, routing, cost)
+
+
+def _leaf_plan(node, leaf: LeafRoute, layout: Layout | None,
+               where: Placement | None) -> LeafPlan:
+    """A leaf's plan; its param on its matrices' owners where the layout keeps fp32
+    masters there (``Layout.masters_on_owners``), with the model's copy."""
+    spec = None if layout is None else layout.param_spec(leaf.logical or (None,) * len(leaf.shape))
+    dtype = ax.compute_dtype_of(node)
+    if where is None or not layout.masters_on_owners(dtype, where.owners, where.dealt):
+        return LeafPlan(leaf.path, leaf.shape, leaf.logical, leaf.route, spec, where,
+                        _codec(node, leaf))
+    return LeafPlan(leaf.path, leaf.shape, leaf.logical, leaf.route, where.state,
+                    dataclasses.replace(where, param=where.state), _codec(node, leaf),
+                    ModelCopy(spec, dtype))
 
 
 def _codec(node, leaf: LeafRoute) -> LeafCodec:

@@ -11,7 +11,11 @@ and which device computes each matrix's update.
               ``assignment`` says which rank owns which matrix where the owners
               do not divide a stack; gradients reach the owners (a dense stack
               the owners divide by one reduce-scatter: ``sharding.scatter``),
-              owners compute the update, updated params are all-gathered.
+              owners compute the update, updated params are all-gathered. A
+              model computing in bf16 keeps the fp32 params of stacks their
+              owners divide on those owners, with their state (Megatron's
+              fp32 masters), and each step gathers them once, in bf16
+              (``masters_on_owners``, ``ShardingPlan.model_weights``).
   fsdp        ZeRO-3: params and state split element-wise over ``fsdp``
               (along ``embed``); Newton-Schulz first gathers each whole
               matrix on every rank ("stock FSDP-Muon", the baseline).
@@ -40,6 +44,7 @@ import dataclasses
 import math
 from typing import ClassVar, Mapping
 
+import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from jmegatron.sharding.pipeline import PipelineRunner
@@ -124,6 +129,13 @@ class Layout:
     def check_matrix(self, path: str, logical: tuple) -> None:
         """Raises ValueError if a matrix leaf with ``logical`` axes cannot live here."""
 
+    def masters_on_owners(self, compute_dtype, stack_owners: int, dealt: bool) -> bool:
+        """Whether a matrix stack's fp32 params live with its state on its
+        ``stack_owners`` (split in contiguous blocks, not ``dealt``), the train step
+        gathering them once, cast to ``compute_dtype``, for the model
+        (``ShardingPlan.model_weights``); else they live as ``param_spec`` says."""
+        return False
+
 
 class Replicated(Layout):
     name = "replicated"
@@ -162,6 +174,16 @@ class Layerwise(Layout):
         sizes = dict(zip(self.owner_axes, self.owner_sizes))
         entry = tuple(state)[stack_dim] if stack_dim < len(state) else None
         return math.prod(sizes.get(a, 1) for a in spec_axes(entry))
+
+    def masters_on_owners(self, compute_dtype, stack_owners: int, dealt: bool) -> bool:
+        """Megatron's distributed optimizer: where the model computes in a narrower
+        dtype than its fp32 masters, those live only on their matrices' owners, and
+        the step gathers them in the compute dtype (a bf16 model: half the bytes of
+        gathering fp32 updates). Not for stacks dealt round-robin, whose state is
+        padded and reordered, nor under pipeline stages, whose stacks the stages'
+        runners take whole."""
+        narrower = jnp.dtype(compute_dtype).itemsize < jnp.dtype(jnp.float32).itemsize
+        return narrower and stack_owners > 1 and not dealt and self.stages == 1
 
 
 class Owner(Layout):

@@ -198,7 +198,7 @@ def build_programs(cfg: TrainConfig, plan: Plan) -> Programs:
     clip = qk_clipper(plan.model, cfg.qk_clip, cfg.qk_clip_alpha) if cfg.qk_clip else None
     return Programs(programs_key(cfg, plan), mesh, optimizer, graphdef, init,
                     make_train_step(loss_fn, optimizer, outer, mesh, plan.rules, clip),
-                    make_eval_step(loss_fn),
+                    make_eval_step(loss_fn, optimizer.plan),
                     make_sampler(graphdef, plan.model, mesh, plan.rules, cfg.top_k))
 
 

@@ -15,6 +15,7 @@ from jmegatron.models.config import GPTConfig
 from jmegatron.models.loss import cross_entropy
 from jmegatron.models.moe import balance_expert_bias, moe_losses
 from jmegatron.models.qk_clip import Clip
+from jmegatron.optim.plan import ShardingPlan
 from jmegatron.sharding import rules as ax
 from jmegatron.sharding.layouts import Layout
 from jmegatron.sharding.pipeline import over_stages, staged_leaves
@@ -137,8 +138,11 @@ def make_train_step(loss_fn: LossFn, optimizer: Optimizer, microbatches: int,
     def train_step(state: TrainState, tokens: jax.Array):
         micro = split_microbatches(tokens, microbatches, mesh, rules)
         trained, fixed = split_trained(state.params)   # only nnx.Params reach the optimizer
+        # Masters kept on their owners are gathered for the model once, before the
+        # microbatches: its gradients are the masters' (ShardingPlan.model_weights).
+        weights = optimizer.plan.for_optimizer().model_weights(trained)
         loss, aux, grads = accumulate_grads(
-            lambda p, t: loss_fn(nnx.merge_state(p, fixed), t), trained, micro)
+            lambda p, t: loss_fn(nnx.merge_state(p, fixed), t), weights, micro)
         grad_norm = optax.tree.norm(grads)
         updates, opt_state = optimizer.tx.update(grads, state.opt_state, trained)
         fixed = balance_expert_bias(fixed, aux)   # MoE only: set by the step, not trained
@@ -185,6 +189,9 @@ def all_finite(tree) -> jax.Array:
     return jnp.all(jnp.stack(flags)) if flags else jnp.bool_(True)
 
 
-def make_eval_step(loss_fn: LossFn) -> Callable[[nnx.State, jax.Array], jax.Array]:
-    """Jitted mean next-token loss (without z-loss) of one batch."""
-    return jax.jit(lambda params, tokens: loss_fn(params, tokens)[1]["nll"])
+def make_eval_step(loss_fn: LossFn, plan: ShardingPlan | None = None
+                   ) -> Callable[[nnx.State, jax.Array], jax.Array]:
+    """Jitted mean next-token loss (without z-loss) of one batch, on the weights the
+    model computes with (``plan.model_weights``)."""
+    weights = plan.model_weights if plan is not None else lambda params: params
+    return jax.jit(lambda params, tokens: loss_fn(weights(params), tokens)[1]["nll"])
