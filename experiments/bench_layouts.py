@@ -165,7 +165,10 @@ def measure(variant: str, mesh, model: GPTConfig, tokens, optim: str = "muon") -
     opt_jit = jax.jit(opt_step)
     # Time a regular step: SOAP's first step only builds its eigenbases (eigh).
     opt_state = opt_jit(params, grads, state.opt_state)[1]
-    fwd_bwd = jax.jit(jax.value_and_grad(lambda p, t: loss_fn(p, t)[0]))
+    # As the train step does: the gradients of the weights the model computes with
+    # (layerwise gathers a bf16 model's masters once, in bf16: ShardingPlan.model_weights).
+    fwd_bwd = jax.jit(lambda p, t: jax.value_and_grad(lambda w: loss_fn(w, t)[0])(
+        optimizer.plan.model_weights(p)))
     train_step = make_train_step(loss_fn, optimizer, 1, mesh, layout.rules)
     opt_report = hlo_collectives(opt_jit, params, grads, state.opt_state)
     fb_report = hlo_collectives(fwd_bwd, state.params, tokens)
