@@ -88,13 +88,29 @@ CASES = {   # name: (source mesh, layout, devices[, repeats]), (target ...)[, op
 @pytest.mark.parametrize("case", CASES)
 def test_restore_onto_another_mesh_or_layout(case, tmp_path):
     source, target, *optim = CASES[case]
-    optim = optim[0] if optim else "muon"
-    cfg, state, codecs = setup(*source, optim=optim)
+    restores_exactly(source, target, optim[0] if optim else "muon", MODEL, tmp_path)
+
+
+def test_a_bf16_layerwise_checkpoint_with_masters_on_owners_restores_under_owner(tmp_path):
+    """A bf16 model under layerwise, 4 owners dividing its 4 layers: its matrix stacks'
+    fp32 params live on their owners (split like their state); the checkpoint holds
+    them whole, and owner (8 ranks, grouped) reads back the same values."""
+    bf16 = dataclasses.replace(MODEL, dtype="bfloat16")
+    _, state, _ = setup(D8, "layerwise", model=bf16)
+    qkv = state.params["blocks"]["attn"]["qkv"][...]
+    assert "data" in str(qkv.sharding.spec[0]), qkv.sharding   # on its owners
+    restores_exactly((D8, "layerwise", 8), (L8, "owner", 8), "muon", bf16, tmp_path)
+
+
+def restores_exactly(source, target, optim, model, tmp_path):
+    """Saved from ``source`` (mesh, layout, devices[, repeats]), restored onto
+    ``target``: the same canonical values, in the target's shapes and shardings."""
+    cfg, state, codecs = setup(*source, model=model, optim=optim)
     state = helpers.randomized(state)
     saver = Checkpointer(tmp_path)
     saver.save(7, state, codecs, {"layout": source[1]})
     saver.close()
-    target_cfg, target, target_codecs = setup(*target, optim=optim)
+    target_cfg, target, target_codecs = setup(*target, model=model, optim=optim)
     restored, meta = Checkpointer(tmp_path).restore(7, abstract(target), target_codecs)
     assert meta["step"] == 7
     want = canonical(cfg, state, codecs)
