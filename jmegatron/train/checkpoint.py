@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import gc
 import itertools
 import json
 import logging
@@ -191,12 +190,8 @@ class Checkpointer:
             return self.manager.restore(step, args=ocp.args.Composite(
                 state=ocp.args.StandardRestore(abstract)))["state"]
         except Exception as err:
-            reason = error_line(err)
-        # Raised outside the except block, so the refusal does not keep orbax's failed
-        # reads alive as its context.
-        _collect_failed_reads()
-        raise CheckpointDamaged(f"checkpoint {self.directory / str(step)} is damaged: "
-                                f"cannot read its arrays ({reason})")
+            raise CheckpointDamaged(f"checkpoint {self.directory / str(step)} is damaged: "
+                                    f"cannot read its arrays ({error_line(err)})") from None
 
     def _compare(self, step: int, loaded, sums: dict[str, str], verb: str) -> None:
         """Raises CheckpointDamaged naming the first leaf whose checksum differs."""
@@ -274,19 +269,22 @@ def _os_error(err: BaseException) -> str:
     return error_line(first)
 
 
-def _collect_failed_reads() -> None:
-    """A failed read leaves orbax's other reads as futures whose errors nobody retrieved,
-    in reference cycles. Collected later, each logs its traceback from whatever
-    allocation triggers the collection, and on Python 3.11.7 one inside ast.parse breaks
-    that parse (CPython gh-106905). Collected now and quietly: the CheckpointDamaged
-    raised after this is the one report of the failure."""
-    log = logging.getLogger("asyncio")
-    level = log.level
-    log.setLevel(logging.CRITICAL)
-    try:
-        gc.collect()
-    finally:
-        log.setLevel(level)
+def _orbax_leftover(record: logging.LogRecord) -> bool:
+    """False for asyncio's report of an orbax read or write whose error nobody retrieved
+    (orbax leaves the others of a failed restore or save as such futures). Each is
+    reported when it is garbage-collected, from whatever allocation triggers that; its
+    traceback, formatted there, can run ast.parse inside another ast.parse, which Python
+    3.11.7 turns into a SystemError in the outer one (CPython gh-106905: it failed a
+    test's command-line parse on CI)."""
+    err = record.exc_info[1] if record.exc_info else None
+    if err is None or "never retrieved" not in str(record.msg):
+        return True
+    tb, files = err.__traceback__, []
+    while tb is not None:
+        files.append(tb.tb_frame.f_code.co_filename)
+        tb = tb.tb_next
+    ours = any("orbax" in f or "tensorstore" in f for f in files)
+    return not (ours or "TensorStore" in str(err) or "OCDBT" in str(err))
 
 
 def _orbax_errors(record: logging.LogRecord) -> bool:
@@ -297,9 +295,12 @@ def _orbax_errors(record: logging.LogRecord) -> bool:
 def _quiet_orbax_failures() -> None:
     """A failed write makes orbax log the error with a traceback in each of its writer
     threads, and TensorStore's callbacks then hit orbax's closed event loop (reported
-    through ``sys.unraisablehook``): hundreds of lines for one full disk. Each failure
-    reaches the user once instead, as the SaveError or CheckpointDamaged raised here."""
+    through ``sys.unraisablehook``): hundreds of lines for one full disk; and the reads
+    and writes a failure leaves unawaited are reported by asyncio when collected
+    (``_orbax_leftover``). Each failure reaches the user once instead, as the SaveError
+    or CheckpointDamaged raised here."""
     logging.getLogger("absl").addFilter(_orbax_errors)
+    logging.getLogger("asyncio").addFilter(_orbax_leftover)
     previous = sys.unraisablehook
 
     def hook(unraisable):
