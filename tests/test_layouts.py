@@ -421,8 +421,8 @@ def test_layerwise_bf16_model_sums_its_gradients_like_fsdp(mesh_config, scattere
         layout, optimizer, graphdef, state = build(mesh, name, model)
         loss_fn = make_loss_fn(graphdef, model, mesh, layout)
         # As the train step does: the gradients of the weights the model computes with.
-        grad = jax.jit(lambda p, weights=optimizer.plan.model_weights, loss_fn=loss_fn: jax.grad(
-            lambda w: loss_fn(w, tokens)[0])(weights(p)))
+        weights = optimizer.plan.model_weights
+        grad = jax.jit(lambda p: jax.grad(lambda w: loss_fn(w, tokens)[0])(weights(p)))
         grads[name] = grad(state.params)["blocks"]
     text = grad.lower(state.params).compile().as_text()
     # Per device: each master gathered whole over its owners, still split over tensor.
