@@ -25,6 +25,7 @@ import logging
 import os
 import re
 import sys
+import traceback
 from pathlib import Path
 
 import jax
@@ -279,10 +280,7 @@ def _orbax_leftover(record: logging.LogRecord) -> bool:
     err = record.exc_info[1] if record.exc_info else None
     if err is None or "never retrieved" not in str(record.msg):
         return True
-    tb, files = err.__traceback__, []
-    while tb is not None:
-        files.append(tb.tb_frame.f_code.co_filename)
-        tb = tb.tb_next
+    files = [frame.f_code.co_filename for frame, _ in traceback.walk_tb(err.__traceback__)]
     ours = any("orbax" in f or "tensorstore" in f for f in files)
     return not (ours or "TensorStore" in str(err) or "OCDBT" in str(err))
 
