@@ -2,7 +2,8 @@
 
     python -m experiments.bench_layouts [--small] [--layers L] [--experts E [--expert P]]
                                         [--optim muon soap adamw] [--keep-gathered]
-                                        [--dtype bfloat16] [--out PATH]
+                                        [--dtype bfloat16 [--grad-reduce-dtype float32]]
+                                        [--out PATH]
 
 On 8 devices (fsdp = 8), a GPT of 8 layers (or L: 12 puts owner's padding
 to the test) with D = 512 (D = 256 with --small), every MLP a mixture of E
@@ -21,7 +22,9 @@ MuonBP (--optim muon_bp) alternates P - 1 block steps with one full step in one
 program: its step time is P consecutive steps over P, its bytes the full branch's
 over P (``hlo.periodic_bytes_per_device``), its collective count both branches'.
 With --dtype bfloat16 the model computes in bf16 (the bytes count bf16 buffers at
-2 bytes, as an accelerator sends them: ``hlo.Collective.widened``).
+2 bytes, as an accelerator sends them: ``hlo.Collective.widened``), and with
+--grad-reduce-dtype float32 sums its weight gradients in fp32
+(``GPTConfig.grad_reduce_dtype``).
 With --keep-gathered, a row `owner+kept`: owner with ``GPTConfig.keep_gathered``
 (the backward keeps each group's gathered weights, FSDP's
 reshard_after_forward=False).
@@ -212,6 +215,8 @@ def parser() -> argparse.ArgumentParser:
     parser.add_argument("--expert", type=int, default=1, help="expert-parallel ranks P")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                         help="the model's compute dtype (params stay fp32)")
+    parser.add_argument("--grad-reduce-dtype", default="compute", choices=["compute", "float32"],
+                        help="the dtype its weight gradients are summed in")
     parser.add_argument("--optim", nargs="+", default=["muon"],
                         choices=[*MATRIX_OPTIMIZERS, "adamw"])
     parser.add_argument("--keep-gathered", action="store_true",
@@ -225,7 +230,7 @@ def main(args_list: list[str] | None = None) -> list[dict]:
     jax.config.update("jax_num_cpu_devices", 8)
     mesh = make_mesh(MeshConfig(fsdp=8 // args.expert, expert=args.expert))
     model = dataclasses.replace(model_config(args.small, args.layers, args.experts),
-                                dtype=args.dtype)
+                                dtype=args.dtype, grad_reduce_dtype=args.grad_reduce_dtype)
     tokens = jax.device_put(
         jax.random.randint(jax.random.key(0), (8, 129), 0, model.vocab_size),
         jax.NamedSharding(mesh, jax.P(("data", "fsdp", "expert"))))

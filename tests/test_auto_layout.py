@@ -73,6 +73,21 @@ def test_a_model_too_large_to_replicate_is_not_replicated():
     assert {e.layout for e in ranked[2:]} == {"fsdp", "replicated"}
 
 
+def test_fp32_gradient_sums_are_priced_in_fp32():
+    """Gradient sums are priced in the gradients' dtype (``GPTConfig.grad_reduce_dtype``):
+    a bf16 7B model at fsdp 8 sends more under every layout with fp32 sums, and its
+    layerwise masters stay replicated (more memory: ``Layout.masters_on_owners``)."""
+    bf16 = dataclasses.replace(scale_model("llama-7b"), dtype="bfloat16")
+    modelled = lambda model: {e.layout: e for e in estimate(
+        abstract(model), {**MESH, "fsdp": 8}, "h100", cost=MUON)}
+    narrow, wide = modelled(bf16), modelled(dataclasses.replace(bf16, grad_reduce_dtype="float32"))
+    sent = lambda e: e.comm.nvlink_bytes + e.comm.ib_bytes
+    for name in narrow:
+        assert sent(wide[name]) > sent(narrow[name]), name
+    assert wide["layerwise"].memory_bytes > narrow["layerwise"].memory_bytes
+    assert wide["owner"].memory_bytes == narrow["owner"].memory_bytes
+
+
 @pytest.mark.parametrize("mesh, allowed", [
     (dict(), ("replicated",)),
     (dict(tensor=8), ("replicated",)),

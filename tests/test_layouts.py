@@ -129,6 +129,15 @@ def test_bf16_three_steps_are_as_accurate_as_one_device(layout, bf16_reference, 
         distance(params, reference), bf16_reference)
 
 
+def test_bf16_with_fp32_gradient_sums_is_as_accurate_as_one_device(bf16_reference, reference):
+    """fp32 gradient sums (``GPTConfig.grad_reduce_dtype``) under owner, three steps:
+    within ``BF16_SPREAD`` as above (their sums are checked in test_wire_dtype)."""
+    model = dataclasses.replace(BF16, grad_reduce_dtype="float32")
+    params = train_three_steps(make_mesh(MeshConfig(data=2, fsdp=4)), "owner", model=model)
+    assert distance(params, reference) <= BF16_SPREAD * bf16_reference, (
+        distance(params, reference), bf16_reference)
+
+
 @pytest.mark.parametrize("mesh_config", [MeshConfig(data=4, fsdp=1),
                                          MeshConfig(data=2, fsdp=2, tensor=2)],
                          ids=["batch_only", "tensor2"])

@@ -9,6 +9,7 @@ places, from the compiled program, where ``hlo`` counts a widened buffer at 2 by
 element (``Collective.widened``)."""
 
 import dataclasses
+import functools
 import math
 import re
 
@@ -22,7 +23,7 @@ import helpers
 from jmegatron.models import GPT, GPTConfig, MoEConfig
 from jmegatron.models.gpt import ungroup
 from jmegatron.optim import make_plan, trainable_params
-from jmegatron.sharding import MeshConfig, hlo_collectives, make_mesh
+from jmegatron.sharding import MeshConfig, hlo_collectives, make_mesh, parse_collectives
 from jmegatron.sharding.rules import compute_dtype_of, spec_axes
 from jmegatron.sharding.stacks import stack_of
 from jmegatron.train import AdamWConfig, ScheduleConfig, TrainConfig, make_loss_fn, make_train_step
@@ -35,6 +36,7 @@ TRAIN = TrainConfig(lr=1e-2, steps=3, grad_clip=0.0, schedule=ScheduleConfig(war
 DENSE = dataclasses.replace(MODEL, moe=MoEConfig())
 B, T = 16, 16
 MESH = MeshConfig(data=2, fsdp=4, tensor=1)
+OWNERS_DIVIDE = MeshConfig(data=4, fsdp=1)   # 4 owners, 4 layers: contiguous blocks
 
 
 def batches():
@@ -103,67 +105,133 @@ def test_fsdp_gathers_a_bf16_models_weights_in_bf16():
     assert sum(c.buffer_bytes for c in bf16) * 2 == sum(c.buffer_bytes for c in fp32)
 
 
-def bf16_gradients(mesh, layout="owner", prefetch=False):
-    """The weight gradients of a bf16 dense model's loss on one batch, as [L, ...]
-    stacks."""
-    model = dataclasses.replace(DENSE, dtype="bfloat16", prefetch=prefetch)
+BF16 = dataclasses.replace(DENSE, dtype="bfloat16")
+FP32_SUMS = dataclasses.replace(BF16, grad_reduce_dtype="float32")   # GPTConfig.grad_reduce_dtype
+
+
+@functools.cache
+def gradients(mesh_config, layout="owner", model=BF16, devices=8):
+    """The weight gradients of ``model``'s loss on one batch, as [L, ...] stacks, and
+    the collectives of the compiled program (each setting compiled once)."""
+    mesh = make_mesh(mesh_config, jax.devices()[:devices])
     layout, _, graphdef, state = helpers.build(mesh, layout, model, TRAIN)
     loss_fn = make_loss_fn(graphdef, dataclasses.replace(model, **layout.stack_fields), mesh,
                            layout)
-    grad = jax.jit(jax.grad(lambda p, tokens: loss_fn(p, tokens)[0]))
-    return ungroup(grad(trainable_params(state.params), jax.device_put(batches()[0])))
+    args = (trainable_params(state.params), jax.device_put(batches()[0]))
+    compiled = jax.jit(jax.grad(lambda p, tokens: loss_fn(p, tokens)[0])).lower(*args).compile()
+    return ungroup(compiled(*args)), parse_collectives(compiled.as_text(), mesh)
 
 
-@pytest.fixture(scope="module")
-def one_device_bf16_gradients():
-    return bf16_gradients(make_mesh(MeshConfig(fsdp=1), jax.devices()[:1]))
+ONE_DEVICE = MeshConfig(fsdp=1)
 
 
-@pytest.mark.parametrize("layout, prefetch", [("owner", False), ("owner", True),
-                                              ("fsdp", False)],
-                         ids=["owner", "owner_prefetch", "fsdp"])
-def test_bf16_gradients_equal_one_device_in_bf16(layout, prefetch, one_device_bf16_gradients):
-    """Under owner (its groups gathered in turn or a group ahead: ``prefetch``, with its
-    own backward) and fsdp (data 2 x fsdp 4) a bf16 model's gradients, through the bf16
-    gathers and their reductions, equal one device's in bf16 to bf16 round-off: the
-    weights are the same bf16 values either way, but each rank's partial gradient is
-    rounded to bf16 before the sum over ranks (8 bits kept: a few roundings, 2% of the
-    largest entry, as test_layouts' bf16 layerwise-against-fsdp check). A dense model: in
-    an MoE model bf16 activations summed in another order can flip a token's top-k
-    experts, which changes the gradients by more than round-off."""
-    got = bf16_gradients(make_mesh(MESH), layout, prefetch)
-    want = dict(jax.tree_util.tree_leaves_with_path(one_device_bf16_gradients))
+def assert_near_one_device(got, model):
+    """Within bf16 round-off of one device's gradients: the weights are the same bf16
+    values, but each rank's bf16 activations are rounded in another order (and
+    without fp32 sums each rank's partial gradient is rounded to bf16 before the sum
+    over ranks): 8 bits kept, a few roundings, 2% of the largest entry, as
+    test_layouts' bf16 layerwise-against-fsdp check."""
+    want = dict(jax.tree_util.tree_leaves_with_path(gradients(ONE_DEVICE, model=model,
+                                                              devices=1)[0]))
     for path, a in jax.tree_util.tree_leaves_with_path(got):
         b = np.asarray(want[path])
         np.testing.assert_allclose(np.asarray(a), b, rtol=0, atol=2e-2 * np.abs(b).max(),
                                    err_msg=jax.tree_util.keystr(path))
 
 
+LAYOUT_CASES = [("owner", BF16), ("owner", dataclasses.replace(BF16, prefetch=True)),
+                ("fsdp", BF16)]
+LAYOUT_IDS = ["owner", "owner_prefetch", "fsdp"]
+
+
+@pytest.mark.parametrize("layout, model", LAYOUT_CASES, ids=LAYOUT_IDS)
+def test_bf16_gradients_equal_one_device_in_bf16(layout, model):
+    """Under owner (its groups gathered in turn or a group ahead: ``prefetch``, with its
+    own backward) and fsdp (data 2 x fsdp 4) a bf16 model's gradients, through the bf16
+    gathers and their reductions, equal one device's in bf16 to bf16 round-off
+    (``assert_near_one_device``). A dense model: in an MoE model bf16 activations
+    summed in another order can flip a token's top-k experts, which changes the
+    gradients by more than round-off."""
+    assert_near_one_device(gradients(MESH, layout, model)[0], BF16)
+
+
+# --- fp32 gradient sums: GPTConfig.grad_reduce_dtype="float32" ------------------------
+
+
+def sums(report):
+    """The all-reduces and reduce-scatters over more than one device."""
+    return [c for kind in ("all-reduce", "reduce-scatter") for c in report.select(kind)
+            if c.group_size > 1]
+
+
+def wide(model):
+    return dataclasses.replace(model, grad_reduce_dtype="float32")
+
+
+@pytest.mark.parametrize("layout, model", LAYOUT_CASES, ids=LAYOUT_IDS)
+def test_fp32_gradient_sums_send_fp32_and_equal_one_device(layout, model):
+    """With fp32 gradient sums every sum over devices adds the fp32 products (none is a
+    bf16 buffer XLA:CPU widened, as the default's are), with more bytes; the weights
+    are still gathered in bf16 (but the embedding table, looked up in fp32 so that its
+    gradient accumulates in fp32); and the gradients equal one device's with fp32
+    sums to bf16 round-off (a sum missing or repeated over a mesh axis: 2x off)."""
+    (got, fp32), (_, bf16) = gradients(MESH, layout, wide(model)), gradients(MESH, layout, model)
+    widened = lambda collectives: sum(c.widened for c in collectives)
+    moved = lambda collectives: sum(c.buffer_bytes * c.executions for c in collectives)
+    assert sums(fp32) and widened(sums(fp32)) == 0 < widened(sums(bf16)), sums(fp32)
+    assert moved(sums(fp32)) > moved(sums(bf16))
+    assert widened(fp32.select("all-gather")) >= widened(bf16.select("all-gather")) - 1 > 0
+    assert_near_one_device(got, FP32_SUMS)
+
+
+@pytest.mark.parametrize("layout, mesh_config, model", [
+    ("layerwise", OWNERS_DIVIDE, DENSE), ("owner", MESH, MODEL)], ids=["layerwise", "owner_moe"])
+def test_fp32_gradient_sums_under_layerwise_and_moe(layout, mesh_config, model):
+    """Layerwise's reduce-scatters onto 4 owners (``scatter.run_stack``) and the MoE
+    experts' grouped products (``models.products.weight_ragged_dot``, in their own
+    ``shard_map``) sum fp32 too. Layerwise's gradients equal one device's; the MoE
+    model's, whose top-k choices bf16 can flip between meshes, equal those of its
+    bf16 sums on the same mesh, which differ from them by bf16 round-off only."""
+    devices = math.prod(mesh_config.sizes().values())
+    model = dataclasses.replace(model, dtype="bfloat16")
+    got, fp32 = gradients(mesh_config, layout, wide(model), devices)
+    assert sums(fp32) and not any(c.widened for c in sums(fp32)), sums(fp32)
+    if model.moe.n_experts:
+        want = dict(jax.tree_util.tree_leaves_with_path(
+            gradients(mesh_config, layout, model, devices)[0]))
+        for path, a in jax.tree_util.tree_leaves_with_path(got):
+            b = np.asarray(want[path])
+            np.testing.assert_allclose(np.asarray(a), b, rtol=0, atol=2e-2 * np.abs(b).max(),
+                                       err_msg=jax.tree_util.keystr(path))
+    else:
+        assert_near_one_device(got, FP32_SUMS)
+
+
 # --- layerwise: fp32 masters on their owners, bf16 weights gathered once a step ---------
 
-OWNERS_DIVIDE = MeshConfig(data=4, fsdp=1)   # 4 owners, 4 layers: contiguous blocks
 
 
 def mesh_of(mesh_config):
     return make_mesh(mesh_config, jax.devices()[:math.prod(mesh_config.sizes().values())])
 
 
-def layerwise_plan(dtype, mesh_config):
+def layerwise_plan(model, mesh_config):
     mesh = mesh_of(mesh_config)
-    model = GPT(dataclasses.replace(DENSE, dtype=dtype), nnx.Rngs(0))
-    return make_plan(nnx.split(model)[1], mesh, "layerwise")
+    return make_plan(nnx.split(GPT(model, nnx.Rngs(0)))[1], mesh, "layerwise")
 
 
-@pytest.mark.parametrize("dtype, mesh_config, kept", [
-    ("bfloat16", OWNERS_DIVIDE, True), ("float32", OWNERS_DIVIDE, False),
-    ("bfloat16", MESH, False)], ids=["bfloat16", "float32", "bfloat16_dealt"])
-def test_layerwise_keeps_a_bf16_models_masters_on_their_owners(dtype, mesh_config, kept):
+@pytest.mark.parametrize("model, mesh_config, kept", [
+    (BF16, OWNERS_DIVIDE, True), (DENSE, OWNERS_DIVIDE, False), (BF16, MESH, False),
+    (FP32_SUMS, OWNERS_DIVIDE, False)],
+    ids=["bfloat16", "float32", "bfloat16_dealt", "bfloat16_fp32_sums"])
+def test_layerwise_keeps_a_bf16_models_masters_on_their_owners(model, mesh_config, kept):
     """Megatron's distributed optimizer: a bf16 model's matrix stacks keep their fp32
     params where their state lives, split over the owners (the model computes with a
     bf16 copy, ``model_weights``); norm scales, embedding and head stay replicated. An
-    fp32 model, and stacks dealt round-robin (8 owners, 4 layers), keep replicated
+    fp32 model, stacks dealt round-robin (8 owners, 4 layers), and a bf16 model with
+    fp32 gradient sums (whose bf16 copy would take bf16 gradients) keep replicated
     params, as before."""
-    plan = layerwise_plan(dtype, mesh_config)
+    plan = layerwise_plan(model, mesh_config)
     stacks = [leaf for leaf in plan.leaves if leaf.is_matrix and "blocks" in leaf.path]
     assert len(stacks) == 4, [leaf.path for leaf in stacks]   # qkv, out, gate_up, down
     owners = set(plan.layout.owner_axes)

@@ -115,6 +115,10 @@ class GPTConfig:
         head, the input projections and the MoE router; the output projections (attention
         out, MLP down) use init_std / sqrt(2 L). Norm scales start at 1, the QKV bias at 0.
       dtype: Compute dtype of matmuls; parameters always stay fp32.
+      grad_reduce_dtype: The dtype matmul weights' gradients are computed and summed in
+        over devices: their compute dtype (as XLA and the runners do by default) or
+        float32 (Megatron's fp32 main gradients: each device's product x^T dy keeps its
+        fp32 accumulation, ``models.products``); the same for an fp32 model.
       remat: Activation recomputation in the backward pass: none, full, dots, dots_no_batch.
       attention: einsum (XLA's einsums, the [B, N, T, T] logits formed; its softmax row
         maxima give the largest logit) or flash (``jax.nn.dot_product_attention``:
@@ -160,6 +164,7 @@ class GPTConfig:
     norm_eps: float = 1e-6
     init_std: float = 0.02
     dtype: Literal["float32", "bfloat16"] = "float32"
+    grad_reduce_dtype: Literal["compute", "float32"] = "compute"
     remat: Literal["none", "full", "dots", "dots_no_batch"] = "none"
     attention: Literal["einsum", "flash"] = "einsum"
     vocab_multiple: int = 128
@@ -182,6 +187,8 @@ class GPTConfig:
                  "high_freq_factor, original context) with low < high")
         _require(self.attention in ATTENTION_PATHS,
                  f"attention={self.attention!r}; choose one of {ATTENTION_PATHS}")
+        _require(self.grad_reduce_dtype in ("compute", "float32"),
+                 f"grad_reduce_dtype={self.grad_reduce_dtype!r}; choose compute or float32")
         _require(self.remat in REMAT_POLICIES,
                  f"remat={self.remat!r}; choose one of {REMAT_POLICIES}")
         _require(self.n_heads % self.n_kv_heads == 0,
@@ -214,6 +221,13 @@ class GPTConfig:
                  f"no MoE layer among {self.n_layers}")
         _require(self.vocab >= self.vocab_size,
                  f"padded_vocab_size={self.padded_vocab_size} < vocab_size={self.vocab_size}")
+
+    @property
+    def weight_grad_dtype(self) -> str | None:
+        """The dtype matmul weights' gradients are computed in where it is not their
+        compute dtype (``grad_reduce_dtype``); None: the compute dtype."""
+        wide = self.grad_reduce_dtype
+        return None if wide in ("compute", self.dtype) else wide
 
     @property
     def resolved_head_dim(self) -> int:

@@ -37,33 +37,47 @@ References:
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
+from jmegatron.models.products import weight_einsum, weight_ragged_dot
 from jmegatron.sharding.rules import EXCHANGED
 
 Axes = Sequence[str]
 
 
-def swiglu_grouped(rows: jax.Array, gate_up: jax.Array, down: jax.Array,
-                   group_sizes: jax.Array) -> jax.Array:
-    """Rows [M, D] sorted by expert through each expert's SwiGLU (gate_up [G, D, 2, F],
-    down [G, F, D]); rows after the last group come out zero."""
-    g, d, _, f = gate_up.shape
-    h = lax.ragged_dot(rows, gate_up.reshape(g, d, 2 * f).astype(rows.dtype), group_sizes)
-    h = h.reshape(-1, 2, f)                                         # [M, 2, F]
-    return lax.ragged_dot(jax.nn.silu(h[:, 0]) * h[:, 1], down.astype(rows.dtype), group_sizes)
+class ExpertWeights(NamedTuple):
+    """This rank's experts' SwiGLU weights (gate_up [E_loc, D, 2, F], down [E_loc, F, D])
+    and the dtype their gradients are computed in (None: the compute dtype;
+    ``models.products``)."""
 
+    gate_up: jax.Array
+    down: jax.Array
+    grad_dtype: jnp.dtype | None = None
 
-def swiglu_batched(slots: jax.Array, gate_up: jax.Array, down: jax.Array) -> jax.Array:
-    """Slots [G, C, D] through expert g's SwiGLU each (one batched matmul)."""
-    h = jnp.einsum("gcd,gdkf->gckf", slots, gate_up.astype(slots.dtype))   # [G, C, 2, F]
-    return jnp.einsum("gcf,gfd->gcd", jax.nn.silu(h[:, :, 0]) * h[:, :, 1],
-                      down.astype(slots.dtype))
+    @property
+    def local(self) -> int:
+        """E_loc, the experts on this rank."""
+        return self.gate_up.shape[0]
+
+    def grouped(self, rows: jax.Array, group_sizes: jax.Array) -> jax.Array:
+        """Rows [M, D] sorted by expert through each expert's SwiGLU; rows after the
+        last group come out zero."""
+        g, d, _, f = self.gate_up.shape
+        h = weight_ragged_dot(rows, self.gate_up.reshape(g, d, 2 * f), group_sizes,
+                              self.grad_dtype).reshape(-1, 2, f)                # [M, 2, F]
+        return weight_ragged_dot(jax.nn.silu(h[:, 0]) * h[:, 1], self.down, group_sizes,
+                                 self.grad_dtype)
+
+    def batched(self, slots: jax.Array) -> jax.Array:
+        """Slots [G, C, D] through expert g's SwiGLU each (one batched matmul)."""
+        h = weight_einsum("gcd,gdkf->gckf", slots, self.gate_up, self.grad_dtype)  # [G, C, 2, F]
+        return weight_einsum("gcf,gfd->gcd", jax.nn.silu(h[:, :, 0]) * h[:, :, 1], self.down,
+                             self.grad_dtype)
 
 
 def inverse_permutation(order: jax.Array) -> jax.Array:
@@ -77,44 +91,42 @@ def _ids_from_counts(counts: jax.Array, slots: int) -> jax.Array:
     return (jnp.arange(slots)[None, :, None] >= ends[:, None, :]).sum(-1)
 
 
-def _local_experts(rows: jax.Array, ids: jax.Array, gate_up: jax.Array,
-                   down: jax.Array) -> jax.Array:
+def _local_experts(rows: jax.Array, ids: jax.Array, ffn: ExpertWeights) -> jax.Array:
     """Rows [M, D] with local expert ids [M] (E_loc: padding, output zero), in place."""
     order = jnp.argsort(ids, stable=True)
-    sizes = jnp.bincount(ids, length=gate_up.shape[0] + 1)[:-1]
-    return swiglu_grouped(rows[order], gate_up, down, sizes)[inverse_permutation(order)]
+    sizes = jnp.bincount(ids, length=ffn.local + 1)[:-1]
+    return ffn.grouped(rows[order], sizes)[inverse_permutation(order)]
 
 
-def dropless(x: jax.Array, experts: jax.Array, gate_up: jax.Array, down: jax.Array,
-             ep_axes: Axes = (), exchange: str = "padded") -> jax.Array:
+def dropless(x: jax.Array, experts: jax.Array, ffn: ExpertWeights, ep_axes: Axes = (),
+             exchange: str = "padded") -> jax.Array:
     """Every assignment's expert output, [N, D] in assignment order.
 
-    x [S, D]; experts [S, k] (global ids); gate_up [E_loc, D, 2, F], down
-    [E_loc, F, D]: this rank's experts (all of them when ``ep_axes`` is empty).
+    x [S, D]; experts [S, k] (global ids); ``ffn``: this rank's experts (all of them
+    when ``ep_axes`` is empty).
     """
     s, k = experts.shape
     ep = lax.axis_size(tuple(ep_axes)) if ep_axes else 1
-    e_loc = gate_up.shape[0]
+    e_loc = ffn.local
     flat = experts.reshape(-1)
     order = jnp.argsort(flat, stable=True)                          # [N] sorted by expert
     counts = jnp.bincount(flat, length=e_loc * ep)                  # [E]
     token = order // k                                              # token of each sorted row
     if ep == 1:
-        out = swiglu_grouped(x[token], gate_up, down, counts)
+        out = ffn.grouped(x[token], counts)
     elif exchange == "padded":
-        out = _padded_exchange(x, token, flat[order], counts, gate_up, down, tuple(ep_axes),
+        out = _padded_exchange(x, token, flat[order], counts, ffn, tuple(ep_axes),
                                s * min(k, e_loc))
     elif exchange == "ragged":
-        out = _ragged_exchange(x[token], counts, gate_up, down, tuple(ep_axes),
-                               s * min(k, e_loc))
+        out = _ragged_exchange(x[token], counts, ffn, tuple(ep_axes), s * min(k, e_loc))
     else:
         raise ValueError(f"unknown exchange {exchange!r}; choose padded or ragged")
     return out[inverse_permutation(order)]
 
 
-def _padded_exchange(x, token, sorted_experts, counts, gate_up, down, axes, cap):
+def _padded_exchange(x, token, sorted_experts, counts, ffn, axes, cap):
     """Sorted assignments to their experts' ranks in a [P, cap, D] all_to_all and back."""
-    ep, e_loc = lax.axis_size(axes), gate_up.shape[0]
+    ep, e_loc = lax.axis_size(axes), ffn.local
     n = token.size
     per_rank = counts.reshape(ep, e_loc).sum(-1)                    # [P] rows to each rank
     first = jnp.cumsum(per_rank) - per_rank                         # [P] their first sorted row
@@ -126,15 +138,15 @@ def _padded_exchange(x, token, sorted_experts, counts, gate_up, down, axes, cap)
     everyone = lax.all_gather(counts, axes)                         # [P, E]: who sends what
     mine = lax.dynamic_slice_in_dim(everyone, lax.axis_index(axes) * e_loc, e_loc, axis=1)
     ids = _ids_from_counts(mine, cap)                               # [P, cap]
-    out = _local_experts(recv.reshape(ep * cap, -1), ids.reshape(-1), gate_up, down)
+    out = _local_experts(recv.reshape(ep * cap, -1), ids.reshape(-1), ffn)
     back = _all_to_all(out.reshape(ep, cap, -1), axes)              # [P (expert rank), cap, D]
     rank = sorted_experts // e_loc                                  # [N] rank of each sorted row
     return back[rank, jnp.arange(n) - first[rank]]                  # [N, D] sorted order
 
 
-def _ragged_exchange(rows, counts, gate_up, down, axes, cap):
+def _ragged_exchange(rows, counts, ffn, axes, cap):
     """Sorted rows [N, D] to their experts' ranks by ragged_all_to_all and back."""
-    ep, e_loc = lax.axis_size(axes), gate_up.shape[0]
+    ep, e_loc = lax.axis_size(axes), ffn.local
     me = lax.axis_index(axes)
     everyone = lax.all_gather(counts, axes)                         # [P, E]
     sent = everyone.reshape(ep, ep, e_loc).sum(-1)                  # [source, dest] row counts
@@ -148,7 +160,7 @@ def _ragged_exchange(rows, counts, gate_up, down, axes, cap):
     mine = lax.dynamic_slice_in_dim(everyone, me * e_loc, e_loc, axis=1).reshape(-1)
     which = jnp.searchsorted(jnp.cumsum(mine), jnp.arange(ep * cap), side="right")
     ids = jnp.where(which < ep * e_loc, which % e_loc, e_loc)
-    out = _local_experts(recv, ids, gate_up, down)
+    out = _local_experts(recv, ids, ffn)
     return ragged_all_to_all(out, jnp.zeros_like(rows), recv_offsets, recv_sizes, came_from,
                              send_sizes, axis_name=axes)
 
@@ -168,14 +180,14 @@ def _all_to_all(x: jax.Array, axes) -> jax.Array:
     return checkpoint_name(lax.all_to_all(x, axes, 0, 0), EXCHANGED)
 
 
-def capacity(x: jax.Array, experts: jax.Array, gate_up: jax.Array, down: jax.Array,
-             capacity_factor: float, ep_axes: Axes = ()) -> tuple[jax.Array, jax.Array]:
+def capacity(x: jax.Array, experts: jax.Array, ffn: ExpertWeights, capacity_factor: float,
+             ep_axes: Axes = ()) -> tuple[jax.Array, jax.Array]:
     """Expert outputs [N, D] in assignment order (zero where dropped) and the number
     of dropped assignments, with C = ceil(capacity_factor * S * k / E) slots per expert."""
     s, k = experts.shape
     axes = tuple(ep_axes)
     ep = lax.axis_size(axes) if axes else 1
-    e_loc = gate_up.shape[0]
+    e_loc = ffn.local
     n_experts = e_loc * ep
     cap = capacity_slots(s, k, n_experts, capacity_factor)
     flat = experts.reshape(-1)
@@ -190,7 +202,7 @@ def capacity(x: jax.Array, experts: jax.Array, gate_up: jax.Array, down: jax.Arr
     if ep > 1:
         recv = _all_to_all(slots.reshape(ep, e_loc, cap, -1), axes)
         slots = recv.swapaxes(0, 1).reshape(e_loc, ep * cap, -1)    # [E_loc, P*cap, D]
-    out = swiglu_batched(slots, gate_up, down)
+    out = ffn.batched(slots)
     if ep > 1:
         out = _all_to_all(out.reshape(e_loc, ep, cap, -1).swapaxes(0, 1), axes)
     out = out.reshape(n_experts, cap, -1)

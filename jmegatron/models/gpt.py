@@ -12,6 +12,7 @@ from flax import nnx
 from jmegatron.models.config import GPTConfig
 from jmegatron.models.layers import Block, embed_lookup, param, rms_norm
 from jmegatron.models.moe import STATS, MoEBlock
+from jmegatron.models.products import weight_einsum
 from jmegatron.sharding import rules as ax
 from jmegatron.sharding.rules import constrain, logical_axes_of
 from jmegatron.sharding.runners import Stack, active_runner, default_runner
@@ -51,7 +52,7 @@ class GPT(nnx.Module):
     def __init__(self, cfg: GPTConfig, rngs: nnx.Rngs):
         self.cfg = cfg
         self.embed = param(rngs, (cfg.vocab, cfg.d_model), (ax.VOCAB, ax.EMBED), cfg.init_std,
-                           cfg.dtype)
+                           cfg.dtype, cfg.weight_grad_dtype)
         zero_padding(self.embed, cfg.vocab_size, axis=0)
 
         def stacked(make: type[nnx.Module], n: int) -> nnx.Module:
@@ -71,7 +72,7 @@ class GPT(nnx.Module):
         self.final_norm = param(rngs, (cfg.d_model,), (ax.NORM,), None)
         if not cfg.tie_embeddings:
             self.head = param(rngs, (cfg.d_model, cfg.vocab), (ax.EMBED, ax.VOCAB), cfg.init_std,
-                              cfg.dtype)
+                              cfg.dtype, cfg.weight_grad_dtype)
             zero_padding(self.head, cfg.vocab_size, axis=1)
 
     def __call__(self, tokens: jax.Array, return_aux: bool = False):
@@ -90,8 +91,13 @@ class GPT(nnx.Module):
         return (logits, aux) if return_aux else logits
 
     def embed_tokens(self, tokens: jax.Array) -> jax.Array:
-        """The embeddings [B, T, D] (compute dtype) of tokens [B, T]."""
-        return embed_lookup(self.embed[...].astype(self.cfg.dtype), tokens)
+        """The embeddings [B, T, D] (compute dtype) of tokens [B, T]: with gradients in a
+        wider dtype (``cfg.weight_grad_dtype``) looked up in the table's and then cast,
+        so the table's gradient accumulates in it."""
+        cfg = self.cfg
+        if cfg.weight_grad_dtype is None:
+            return embed_lookup(self.embed[...].astype(cfg.dtype), tokens)
+        return embed_lookup(self.embed[...], tokens, cfg.dtype)
 
     def logits_of(self, x: jax.Array) -> jax.Array:
         """The last layer's output [B, T, D] -> logits [B, T, V_padded] in fp32 (the
@@ -99,8 +105,8 @@ class GPT(nnx.Module):
         cfg = self.cfg
         x = rms_norm(x, self.final_norm[...], cfg.norm_eps)
         head = self.embed[...].T if cfg.tie_embeddings else self.head[...]
-        logits = jnp.einsum("btd,dv->btv", x, head.astype(cfg.dtype),
-                            preferred_element_type=jnp.float32)
+        logits = weight_einsum("btd,dv->btv", x, head, cfg.weight_grad_dtype,
+                               preferred_element_type=jnp.float32)
         return constrain(logits, (ax.BATCH, ax.SEQ, ax.ACT_VOCAB))
 
     def _run_layers(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, "Aux"]:

@@ -91,7 +91,7 @@ def route(x: jax.Array, router: jax.Array, bias: jax.Array | None, cfg: MoEConfi
 
 
 def moe_mlp(x: jax.Array, router: jax.Array, bias: jax.Array | None, gate_up: jax.Array,
-            down: jax.Array, cfg: MoEConfig) -> tuple[jax.Array, Stats]:
+            down: jax.Array, cfg: MoEConfig, grad_dtype=None) -> tuple[jax.Array, Stats]:
     """The routed experts on x [B, T, D]: (output [B, T, D], stats of this layer).
 
     Without an active mesh (``activation_sharding``) it runs as it is; with one,
@@ -99,11 +99,13 @@ def moe_mlp(x: jax.Array, router: jax.Array, bias: jax.Array | None, gate_up: ja
     manual over the batch axes already (``rules.run_gathered``; only where no
     other mesh axis is live: ``rules.only_batch_axes_live``), on the local blocks;
     inside a pipeline stage (manual over ``stage``), over the other axes
-    (``sharding.nested``).
+    (``sharding.nested``). The experts' weight gradients are computed in
+    ``grad_dtype`` (None: the compute dtype; ``models.products``).
     """
     active = active_mesh_and_rules()
     if active is None:
-        y, sums = _local(x.reshape(-1, x.shape[-1]), router, bias, gate_up, down, cfg)
+        y, sums = _local(x.reshape(-1, x.shape[-1]), router, bias,
+                         dispatch.ExpertWeights(gate_up, down, grad_dtype), cfg)
         return y.reshape(x.shape), _finish(sums, cfg)
     mesh, rules = active
     # Manual already: over the batch axes (rules.run_gathered: the body runs on the
@@ -130,7 +132,8 @@ def moe_mlp(x: jax.Array, router: jax.Array, bias: jax.Array | None, gate_up: ja
     def body(x_block, router, bias, gate_up, down):   # [B/batch, T, D], local weights
         whole = lambda w, dim: lax.all_gather(w, embed, axis=dim, tiled=True) if embed else w
         y, sums = _local(x_block.reshape(-1, x_block.shape[-1]), whole(router, 0),
-                         None if bias.size == 0 else bias, whole(gate_up, 1), whole(down, 2),
+                         None if bias.size == 0 else bias,
+                         dispatch.ExpertWeights(whole(gate_up, 1), whole(down, 2), grad_dtype),
                          cfg, ep)
         if tp:   # row-parallel down projection: sum the partial outputs once, after combining
             y = lax.psum(y, tp)
@@ -144,15 +147,15 @@ def moe_mlp(x: jax.Array, router: jax.Array, bias: jax.Array | None, gate_up: ja
                             (x_spec, {k: P() for k in STATS}))(x, router, no_bias, gate_up, down)
 
 
-def _local(x, router, bias, gate_up, down, cfg: MoEConfig, ep_axes=()):
+def _local(x, router, bias, ffn: dispatch.ExpertWeights, cfg: MoEConfig, ep_axes=()):
     """Routed experts on one device's tokens x [S, D]: (output [S, D], batch sums)."""
     s, k = x.shape[0], cfg.top_k
     r = route(x, router, bias, cfg)
     if cfg.dispatch == "dropless":
-        out = dispatch.dropless(x, r.experts, gate_up, down, ep_axes, cfg.exchange)
+        out = dispatch.dropless(x, r.experts, ffn, ep_axes, cfg.exchange)
         dropped = jnp.zeros((), jnp.float32)
     elif cfg.dispatch == "capacity":
-        out, dropped = dispatch.capacity(x, r.experts, gate_up, down, cfg.capacity_factor,
+        out, dropped = dispatch.capacity(x, r.experts, ffn, cfg.capacity_factor,
                                          ep_axes)
     else:
         raise ValueError(f"unknown dispatch {cfg.dispatch!r}; dropless or capacity")
@@ -193,10 +196,12 @@ class MoE(nnx.Module):
             self.expert_bias = ExpertBias(jnp.zeros((m.n_experts,), jnp.float32),
                                           out_sharding=(None,), eager_sharding=False,
                                           rate=m.bias_rate)
+        self.wide = cfg.weight_grad_dtype
         self.gate_up = param(rngs, (m.n_experts, d, 2, m.d_ff),
-                             (ax.EXPERTS, ax.EMBED, ax.GLU, ax.MLP), cfg.init_std, cfg.dtype)
+                             (ax.EXPERTS, ax.EMBED, ax.GLU, ax.MLP), cfg.init_std, cfg.dtype,
+                             self.wide)
         self.down = param(rngs, (m.n_experts, m.d_ff, d), (ax.EXPERTS, ax.MLP, ax.EMBED), out_std,
-                          cfg.dtype)
+                          cfg.dtype, self.wide)
         if m.shared_d_ff:
             self.shared = SwiGLU(dataclasses.replace(cfg, d_ff=m.shared_d_ff), rngs)
         self.cfg = m
@@ -204,7 +209,7 @@ class MoE(nnx.Module):
     def __call__(self, x: jax.Array) -> tuple[jax.Array, Stats]:
         bias = self.expert_bias[...] if self.cfg.bias_rate else None
         y, stats = moe_mlp(x, self.router[...], bias, self.gate_up[...], self.down[...],
-                           self.cfg)
+                           self.cfg, self.wide)
         if self.cfg.shared_d_ff:
             y = y + self.shared(x)
         return y, stats

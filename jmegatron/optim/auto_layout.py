@@ -33,8 +33,10 @@ copies of the same elements, over which gradients are summed):
               ``keep_gathered``), and the optimizer gathers nothing.
 
 The forward and backward FLOPs are equal under every layout and left out, so the
-modelled times rank layouts; they are not step times. Gradient sums are counted in
-the compute dtype (what accelerators run; XLA:CPU widens bf16 sums to f32).
+modelled times rank layouts; they are not step times. Gathers are counted in the
+compute dtype, gradient sums in the gradients' (``rules.grad_dtype_of``: the compute
+dtype, or fp32 with ``GPTConfig.grad_reduce_dtype``), what accelerators run (XLA:CPU
+widens bf16 sums to f32).
 """
 
 from __future__ import annotations
@@ -101,7 +103,8 @@ class _Leaf(NamedTuple):
     reduced: tuple          # live batch axes holding copies (gradients summed over them)
     sizes: Mapping[str, int]
     master: int             # bytes per element as stored (fp32 masters: 4)
-    wire: int               # bytes per element in the compute dtype
+    wire: int               # bytes per element in the compute dtype (gathers)
+    summed: int             # bytes per element of its gradient's sums (grad_dtype_of)
     layers: int             # leading stack of layers (1: none)
     matrix_flops: float     # the optimizer's FLOPs on the whole leaf (0: not a matrix)
     owners: int             # ranks its matrices are dealt to (1: every rank runs them all)
@@ -135,7 +138,7 @@ def _ring(kind: str, axes: tuple, leaf: _Leaf, elements: float, width: int,
 
 
 def _replicated(leaf: _Leaf, keep_gathered: bool) -> list[Transfer]:
-    return _ring("all-reduce", leaf.reduced, leaf, leaf.used, leaf.wire, leaf.layers)
+    return _ring("all-reduce", leaf.reduced, leaf, leaf.used, leaf.summed, leaf.layers)
 
 
 def _layerwise(leaf: _Leaf, keep_gathered: bool) -> list[Transfer]:
@@ -147,7 +150,7 @@ def _layerwise(leaf: _Leaf, keep_gathered: bool) -> list[Transfer]:
     gather = _ring("all-gather", leaf.reduced, leaf, leaf.used * leaf.padding, width, 1)
     if leaf.layers % leaf.owners:   # dealt round-robin: all-reduced, each owner keeps its own
         return _replicated(leaf, keep_gathered) + gather
-    return _ring("reduce-scatter", leaf.reduced, leaf, leaf.used, leaf.wire, 1) + gather
+    return _ring("reduce-scatter", leaf.reduced, leaf, leaf.used, leaf.summed, 1) + gather
 
 
 def _sharded(leaf: _Leaf, gathers: int, launches: int, used: float) -> list[Transfer]:
@@ -158,8 +161,8 @@ def _sharded(leaf: _Leaf, gathers: int, launches: int, used: float) -> list[Tran
     out = []
     for _ in range(gathers):
         out += _ring("all-gather", g, leaf, used, leaf.wire, launches)
-    out += _ring("reduce-scatter", g, leaf, used, leaf.wire, launches)
-    return out + _ring("all-reduce", leaf.reduced, leaf, used / leaf.size(g), leaf.wire,
+    out += _ring("reduce-scatter", g, leaf, used, leaf.summed, launches)
+    return out + _ring("all-reduce", leaf.reduced, leaf, used / leaf.size(g), leaf.summed,
                        launches)
 
 
@@ -208,13 +211,14 @@ def _leaves(params, layout: Layout, mesh_shape: Mapping[str, int], cost: MatrixF
             leaf.shape)) if is_matrix else 0.0)
         elements, layers = math.prod(leaf.shape), _layers(leaf.shape, logical)
         owners = _owners(layout, leaf, logical, is_matrix)
-        masters = layout.masters_on_owners(ax.compute_dtype_of(node), owners, layers % owners > 0)
+        compute, summed = ax.compute_dtype_of(node), ax.grad_dtype_of(node)
+        masters = layout.masters_on_owners(compute, summed, owners, layers % owners > 0)
         out.append((_Leaf(elements, elements / math.prod(sizes.get(a, 1) for a in spec)
                           / (owners if masters else 1),
                           tuple(a for a in spec if a in zero3 and sizes.get(a, 1) > 1),
                           tuple(a for a in batch if a not in spec), sizes,
                           jax.tree.leaves(node)[0].dtype.itemsize,
-                          ax.compute_dtype_of(node).itemsize, layers, flops, owners, masters),
+                          compute.itemsize, summed.itemsize, layers, flops, owners, masters),
                     is_matrix))
     return out
 

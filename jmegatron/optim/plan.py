@@ -362,7 +362,8 @@ def _leaf_plan(node, leaf: LeafRoute, layout: Layout | None,
     masters there (``Layout.masters_on_owners``), with the model's copy."""
     spec = None if layout is None else layout.param_spec(leaf.logical or (None,) * len(leaf.shape))
     dtype = ax.compute_dtype_of(node)
-    if where is None or not layout.masters_on_owners(dtype, where.owners, where.dealt):
+    if where is None or not layout.masters_on_owners(dtype, ax.grad_dtype_of(node), where.owners,
+                                                     where.dealt):
         return LeafPlan(leaf.path, leaf.shape, leaf.logical, leaf.route, spec, where,
                         _codec(node, leaf))
     return LeafPlan(leaf.path, leaf.shape, leaf.logical, leaf.route, where.state,

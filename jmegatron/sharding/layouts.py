@@ -129,11 +129,13 @@ class Layout:
     def check_matrix(self, path: str, logical: tuple) -> None:
         """Raises ValueError if a matrix leaf with ``logical`` axes cannot live here."""
 
-    def masters_on_owners(self, compute_dtype, stack_owners: int, dealt: bool) -> bool:
+    def masters_on_owners(self, compute_dtype, grad_dtype, stack_owners: int,
+                          dealt: bool) -> bool:
         """Whether a matrix stack's fp32 params live with its state on its
         ``stack_owners`` (split in contiguous blocks, not ``dealt``), the train step
         gathering them once, cast to ``compute_dtype``, for the model
-        (``ShardingPlan.model_weights``); else they live as ``param_spec`` says."""
+        (``ShardingPlan.model_weights``), whose gradients are in ``grad_dtype``;
+        else they live as ``param_spec`` says."""
         return False
 
 
@@ -175,14 +177,17 @@ class Layerwise(Layout):
         entry = tuple(state)[stack_dim] if stack_dim < len(state) else None
         return math.prod(sizes.get(a, 1) for a in spec_axes(entry))
 
-    def masters_on_owners(self, compute_dtype, stack_owners: int, dealt: bool) -> bool:
-        """Megatron's distributed optimizer: where the model computes in a narrower
-        dtype than its fp32 masters, those live only on their matrices' owners, and
-        the step gathers them in the compute dtype (a bf16 model: half the bytes of
-        gathering fp32 updates). Not for stacks dealt round-robin, whose state is
-        padded and reordered, nor under pipeline stages, whose stacks the stages'
-        runners take whole."""
-        narrower = jnp.dtype(compute_dtype).itemsize < jnp.dtype(jnp.float32).itemsize
+    def masters_on_owners(self, compute_dtype, grad_dtype, stack_owners: int,
+                          dealt: bool) -> bool:
+        """Megatron's distributed optimizer: where the model computes, and sums its
+        gradients, in a narrower dtype than its fp32 masters, those live only on their
+        matrices' owners, and the step gathers them in the compute dtype (a bf16
+        model: half the bytes of gathering fp32 updates). Not for fp32 gradients (the
+        model's bf16 copy would take bf16 ones), nor for stacks dealt round-robin,
+        whose state is padded and reordered, nor under pipeline stages, whose stacks
+        the stages' runners take whole."""
+        narrower = max(jnp.dtype(compute_dtype).itemsize,
+                       jnp.dtype(grad_dtype).itemsize) < jnp.dtype(jnp.float32).itemsize
         return narrower and stack_owners > 1 and not dealt and self.stages == 1
 
 

@@ -49,7 +49,7 @@ _SAVED = jax.checkpoint_policies.dots_with_no_batch_dims_saveable
 def run_prefetched(run: RunGroup, x: jax.Array, leaves: Sequence[jax.Array],
                    leaf_axes: Sequence[Sequence[str | None]], name: str,
                    sizes: Sequence[int], dtypes: Sequence[jnp.dtype] | None = None,
-                   ) -> tuple[jax.Array, dict]:
+                   grad_dtypes: Sequence[jnp.dtype] | None = None) -> tuple[jax.Array, dict]:
     """``x`` through groups 0..G-1 of ``leaves`` ([G, g, ...] each, dim 1 named
     ``name``, split over the owner ranks): ``run(x, whole_i, sizes[i])`` in turn;
     returns x and the groups' stats concatenated [sum(sizes), B, ...].
@@ -70,9 +70,12 @@ def run_prefetched(run: RunGroup, x: jax.Array, leaves: Sequence[jax.Array],
       sizes: static layers to run per group (all g, except perhaps the last).
       dtypes: per leaf, the dtype it computes in, gathered and reduced in
         (``rules.gather_in``); None: each leaf's own.
+      grad_dtypes: per leaf, the dtype its gathered weight is handed to ``run`` in
+        and its gradient summed in (``rules.gather_in``); None: ``dtypes``.
     """
     active = active_mesh_and_rules()
     dtypes = tuple(leaf.dtype for leaf in leaves) if dtypes is None else tuple(dtypes)
+    grad_dtypes = dtypes if grad_dtypes is None else tuple(grad_dtypes)
     if active is None:
         return _groups(lambda i: [leaf[i] for leaf in leaves], run, x, sizes)
     mesh, rules = active
@@ -85,7 +88,7 @@ def run_prefetched(run: RunGroup, x: jax.Array, leaves: Sequence[jax.Array],
 
     def body(x_block, *blocks):   # [B/dp, T, D], each [G, g/owners, ...]
         return _prefetching(inner_run, split.manual, split.owners, tuple(sizes),
-                            dtypes)(x_block, list(blocks))
+                            dtypes, grad_dtypes)(x_block, list(blocks))
 
     return jax.shard_map(body, mesh=mesh, in_specs=(split.x_spec, *split.leaf_specs),
                          out_specs=(split.x_spec, split.stats_spec),
@@ -106,18 +109,20 @@ def _concatenate(stats: list) -> dict:
 
 
 def _prefetching(run: RunGroup, manual: tuple[str, ...], owners: tuple[str, ...],
-                 sizes: tuple[int, ...], dtypes: tuple[jnp.dtype, ...]):
+                 sizes: tuple[int, ...], dtypes: tuple[jnp.dtype, ...],
+                 grad_dtypes: tuple[jnp.dtype, ...]):
     """The custom-vjp group loop of ``run_prefetched`` on local blocks."""
     groups = len(sizes)
 
     def gather(blocks, i):
-        """Group i whole, each leaf [g, ...] in its compute dtype, typed as varying over
-        every batch axis: a group's vjp then leaves the sum over the batch axes to
-        ``scatter`` (in ``sum_dtype``, after the reduce-scatter)."""
+        """Group i whole, each leaf [g, ...] gathered in its compute dtype and handed on
+        in its gradient's, typed as varying over every batch axis: a group's vjp then
+        leaves the sum over the batch axes to ``scatter`` (in ``sum_dtype``, after
+        the reduce-scatter)."""
         local = [jax.lax.dynamic_index_in_dim(b, i, keepdims=False).astype(dtype)
                  for b, dtype in zip(blocks, dtypes)]
-        whole = [jax.lax.all_gather(b, owners, axis=0, tiled=True) if owners else b
-                 for b in local]
+        whole = [(jax.lax.all_gather(b, owners, axis=0, tiled=True) if owners else b)
+                 .astype(wide) for b, wide in zip(local, grad_dtypes)]
         rest = lambda w: tuple(a for a in manual if a not in varying(w))
         return [jax.lax.pcast(w, rest(w), to="varying") if rest(w) else w for w in whole]
 

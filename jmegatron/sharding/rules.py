@@ -131,6 +131,14 @@ def compute_dtype_of(node) -> jnp.dtype:
     return jnp.dtype((get_metadata() if get_metadata else {}).get("compute_dtype", "float32"))
 
 
+def grad_dtype_of(node) -> jnp.dtype:
+    """The dtype a Flax variable's gradient is computed and summed in (its
+    ``grad_dtype`` metadata: ``GPTConfig.grad_reduce_dtype``); else its compute dtype."""
+    get_metadata = getattr(node, "get_metadata", None)
+    meta = get_metadata() if get_metadata else {}
+    return jnp.dtype(meta.get("grad_dtype", compute_dtype_of(node)))
+
+
 def split_size(mesh_shape: Mapping[str, int], rules: Rules, logical: str) -> int:
     """How many parts the mesh axes the rules map ``logical`` to split it into."""
     return math.prod(mesh_shape.get(a, 1) for a in mesh_axes_of(logical, rules))
@@ -219,16 +227,22 @@ def scatter_to_owners(d: jax.Array, owners: tuple[str, ...], others: tuple[str, 
     return (jax.lax.psum(d, others) if others else d).astype(master)
 
 
-def gather_in(block: jax.Array, dtype, owners: tuple[str, ...], others: tuple[str, ...]):
+def gather_in(block: jax.Array, dtype, owners: tuple[str, ...], others: tuple[str, ...],
+              grad_dtype=None):
     """``block`` cast to ``dtype`` on its owner, then all-gathered over ``owners`` (in a
     ``shard_map`` manual over them): bf16 on the wire for a bf16 weight, the same
     values as casting the gathered fp32. Its gradient is reduce-scattered back in
     ``dtype`` (``sum_dtype``), then summed over the ``others`` batch axes, and
-    reaches the master in its own dtype."""
+    reaches the master in its own dtype. With a wider ``grad_dtype`` the gathered
+    weight is handed on in it (the same values), so the layers' gradient of it, and
+    its sums, are in that dtype (``models.products``)."""
+    wide = dtype if grad_dtype is None else jnp.dtype(grad_dtype)
+
     @jax.custom_vjp
     def gather(b):
         b = jax.lax.pcast(b.astype(dtype), others, to="varying") if others else b.astype(dtype)
-        return jax.lax.all_gather(b, owners, axis=0, tiled=True)
+        whole = jax.lax.all_gather(b, owners, axis=0, tiled=True)
+        return whole if wide == whole.dtype else whole.astype(wide)
 
     def backward(_, g):
         return (scatter_to_owners(g, owners, others, block.dtype),)
@@ -252,9 +266,11 @@ def _gathered_policy(keep: bool):
 def run_gathered(fn: Callable, x: jax.Array, leaves: Sequence[jax.Array],
                  leaf_axes: Sequence[Sequence[str | None]], name: str,
                  summed: Iterable[str] = (), keep: bool = False,
-                 dtypes: Sequence[jnp.dtype] | None = None):
+                 dtypes: Sequence[jnp.dtype] | None = None,
+                 grad_dtypes: Sequence[jnp.dtype] | None = None):
     """``fn(x, leaves)`` with each leaf gathered whole along its dim ``name`` (dim 0),
-    in its ``dtypes`` entry (the dtype it computes in; None: its own, ``gather_in``);
+    in its ``dtypes`` entry (the dtype it computes in; None: its own, ``gather_in``),
+    handed to ``fn`` in its ``grad_dtypes`` one (None: the same);
     ``fn`` returns (x, per-layer stats, a dict), each stats leaf [layers, B, ...],
     except the entries ``summed``: [layers, ...], summed over the whole batch inside
     ``fn`` (MoE loads), the same on every rank.
@@ -274,6 +290,7 @@ def run_gathered(fn: Callable, x: jax.Array, leaves: Sequence[jax.Array],
     split = manual_split(mesh, rules, mesh_axes_of(name, rules), leaf_axes)
     manual, owners, summed = split.manual, split.owners, set(summed)
     dtypes = [leaf.dtype for leaf in leaves] if dtypes is None else dtypes
+    grad_dtypes = dtypes if grad_dtypes is None else grad_dtypes
 
     # Unless ``keep``, the backward gathers the weights again instead of keeping
     # every group's alive (which would hold all weights on every device): only the
@@ -287,9 +304,9 @@ def run_gathered(fn: Callable, x: jax.Array, leaves: Sequence[jax.Array],
         # sum over them (the cast's transpose) then runs after the reduce-scatter, on
         # this rank's part only, not on the whole group.
         others = lambda b: tuple(a for a in manual if a not in varying(b))
-        whole = [checkpoint_name(gather_in(b, dtype, owners, others(b)), _GATHERED) if owners
-                 else jax.lax.pcast(b, others(b), to="varying")
-                 for b, dtype in zip(blocks, dtypes)]
+        whole = [checkpoint_name(gather_in(b, dtype, owners, others(b), wide), _GATHERED)
+                 if owners else jax.lax.pcast(b, others(b), to="varying")
+                 for b, dtype, wide in zip(blocks, dtypes, grad_dtypes)]
         with activation_sharding(jax.sharding.get_abstract_mesh(), split.inner_rules):
             x_block, stats = fn(x_block, whole)
         return x_block, ({k: v for k, v in stats.items() if k not in summed},

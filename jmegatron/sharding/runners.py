@@ -38,8 +38,8 @@ from flax import nnx
 
 from jmegatron.sharding.prefetch import run_prefetched
 from jmegatron.sharding.rules import (LAYERS, active_mesh_and_rules, compute_dtype_of,
-                                     logical_axes_of, only_batch_axes_live, run_constrained,
-                                     run_gathered)
+                                     grad_dtype_of, logical_axes_of, only_batch_axes_live,
+                                     run_constrained, run_gathered)
 from jmegatron.sharding.scatter import run_stack
 from jmegatron.sharding.stacks import StackShape, stack_of
 
@@ -66,6 +66,13 @@ class Stack(NamedTuple):
     def dtypes(self) -> tuple[jnp.dtype, ...]:
         """Per leaf, the dtype it computes in (``rules.compute_dtype_of``)."""
         return tuple(compute_dtype_of(v)
+                     for v in jax.tree.leaves(self.state, is_leaf=_is_variable))
+
+    @property
+    def grad_dtypes(self) -> tuple[jnp.dtype, ...]:
+        """Per leaf, the dtype its gradient is computed and summed in
+        (``rules.grad_dtype_of``)."""
+        return tuple(grad_dtype_of(v)
                      for v in jax.tree.leaves(self.state, is_leaf=_is_variable))
 
     @property
@@ -136,7 +143,7 @@ class ScatterRunner(StackRunner):
         if not stack.whole or stack.self_sharded:
             return super().__call__(stack, x)
         self.check(stack)
-        return run_stack(stack.scan, x, stack.leaves, stack.dtypes, self.owners)
+        return run_stack(stack.scan, x, stack.leaves, stack.grad_dtypes, self.owners)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -172,9 +179,9 @@ class GroupedRunner(StackRunner):
                                  "with tensor parallelism (tensor > 1) leave it off")
             # Unrolled: XLA copies a carried group into a nested loop (prefetch.py).
             return run_prefetched(functools.partial(run, unroll=True), x, leaves, axes,
-                                  LAYERS, sizes, stack.dtypes)
+                                  LAYERS, sizes, stack.dtypes, stack.grad_dtypes)
         runner = (functools.partial(run_gathered, summed=stack.summed, keep=self.keep,
-                                    dtypes=stack.dtypes)
+                                    dtypes=stack.dtypes, grad_dtypes=stack.grad_dtypes)
                   if manual else functools.partial(run_constrained, keep=self.keep))
 
         def run_group(x, group, size=self.group):

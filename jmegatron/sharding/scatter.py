@@ -48,9 +48,10 @@ def run_stack(run: RunStack, x: jax.Array, leaves: Sequence[jax.Array],
         (its transpose would not lower nested: Shardy, jax 0.10.2).
       x: activations [B, T, D].
       leaves: the stack's weights, each [L, ...], replicated over the batch axes.
-      reduce_dtypes: per leaf, the dtype its gradient is summed in: the one the
-        layers compute with (bf16 matmul weights: half the bytes of fp32), as XLA
-        sums them at the matmuls otherwise.
+      reduce_dtypes: per leaf, the dtype its gradient is summed in
+        (``rules.grad_dtype_of``): the one the layers compute with (bf16 matmul
+        weights: half the bytes of fp32), as XLA sums them at the matmuls otherwise,
+        or fp32 where the model computes its weight gradients in fp32.
       owners: the batch axes whose ranks own the stack's matrices, each rank a
         contiguous block of its layers.
     """
