@@ -112,11 +112,12 @@ FP32_SUMS = dataclasses.replace(BF16, grad_reduce_dtype="float32")   # GPTConfig
 @functools.cache
 def gradients(mesh_config, layout="owner", model=BF16, devices=8):
     """The weight gradients of ``model``'s loss on one batch, as [L, ...] stacks, and
-    the collectives of the compiled program (each setting compiled once)."""
+    the collectives of the compiled program (each setting compiled once; pipeline
+    stages run 4 microbatches)."""
     mesh = make_mesh(mesh_config, jax.devices()[:devices])
     layout, _, graphdef, state = helpers.build(mesh, layout, model, TRAIN)
     loss_fn = make_loss_fn(graphdef, dataclasses.replace(model, **layout.stack_fields), mesh,
-                           layout)
+                           layout, microbatches=4 if mesh_config.stage > 1 else 1)
     args = (trainable_params(state.params), jax.device_put(batches()[0]))
     compiled = jax.jit(jax.grad(lambda p, tokens: loss_fn(p, tokens)[0])).lower(*args).compile()
     return ungroup(compiled(*args)), parse_collectives(compiled.as_text(), mesh)
@@ -185,13 +186,15 @@ def test_fp32_gradient_sums_send_fp32_and_equal_one_device(layout, model):
 
 
 @pytest.mark.parametrize("layout, mesh_config, model", [
-    ("layerwise", OWNERS_DIVIDE, DENSE), ("owner", MESH, MODEL)], ids=["layerwise", "owner_moe"])
-def test_fp32_gradient_sums_under_layerwise_and_moe(layout, mesh_config, model):
-    """Layerwise's reduce-scatters onto 4 owners (``scatter.run_stack``) and the MoE
-    experts' grouped products (``models.products.weight_ragged_dot``, in their own
-    ``shard_map``) sum fp32 too. Layerwise's gradients equal one device's; the MoE
-    model's, whose top-k choices bf16 can flip between meshes, equal those of its
-    bf16 sums on the same mesh, which differ from them by bf16 round-off only."""
+    ("layerwise", OWNERS_DIVIDE, DENSE), ("owner", MeshConfig(stage=2, data=2, fsdp=2), DENSE),
+    ("owner", MESH, MODEL)], ids=["layerwise", "stage2_owner", "owner_moe"])
+def test_fp32_gradient_sums_under_layerwise_pipelines_and_moe(layout, mesh_config, model):
+    """Layerwise's reduce-scatters onto 4 owners (``scatter.run_stack``), two pipeline
+    stages (each stage's owner groups), and the MoE experts' grouped products
+    (``models.products.weight_ragged_dot``, in their own ``shard_map``) sum fp32 too.
+    The dense gradients equal one device's; the MoE model's, whose top-k choices bf16
+    can flip between meshes, equal those of its bf16 sums on the same mesh, which
+    differ from them by bf16 round-off only."""
     devices = math.prod(mesh_config.sizes().values())
     model = dataclasses.replace(model, dtype="bfloat16")
     got, fp32 = gradients(mesh_config, layout, wide(model), devices)
