@@ -7,13 +7,14 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")   # see experiments/__init__.
 # Test programs are small: compiling dominates, and LLVM's optimization passes cost
 # more than they save (test_layouts: 93 s instead of about 170 s on 2 cores). It sets
 # LLVM's level only: every HLO, collective and memory check passes unchanged.
-# A collective waits for every device thread of its program; on 2 busy cores one can
-# lag past XLA:CPU's 40 s before it calls the collective, which aborts the process.
-# The tests wait instead (a hang would still end at the 30 min timeout).
+# A collective waits for every device thread of its program. With two test processes
+# on 2 cores (pytest.ini_options: -n 2) a thread can lag past XLA:CPU's 40 s before it
+# calls the collective, which aborts the process: the tests wait 5 min instead (a
+# deadlock, collectives started in different orders, still ends the process).
 os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""),
                                     "--xla_backend_optimization_level=0",
-                                    "--xla_cpu_collective_call_terminate_timeout_seconds=1800",
-                                    "--xla_cpu_collective_call_warn_stuck_timeout_seconds=600",
+                                    "--xla_cpu_collective_call_terminate_timeout_seconds=300",
+                                    "--xla_cpu_collective_call_warn_stuck_timeout_seconds=120",
                                     ]).strip()
 
 import jax  # noqa: E402
