@@ -2,6 +2,7 @@
 
 import dataclasses
 import functools
+import math
 
 import jax
 import numpy as np
@@ -10,11 +11,17 @@ from flax import nnx
 
 from jmegatron.models import GPT
 from jmegatron.optim import trainable_params
+from jmegatron.sharding import make_mesh
 from jmegatron.sharding.layouts import make_layout
 from jmegatron.train import create_train_state
 from jmegatron.optim.codec import LeafCodec
 from jmegatron.train.checkpoint import Checkpointer, abstract_of, leaf_codecs
 from jmegatron.train.optimizer import make_optimizer
+
+
+def mesh_of(mesh_config):
+    """The mesh of ``mesh_config`` (no axis -1) on the first devices it needs."""
+    return make_mesh(mesh_config, jax.devices()[:math.prod(mesh_config.sizes().values())])
 
 
 def build(mesh, layout_name, model, train):

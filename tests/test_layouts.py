@@ -15,13 +15,11 @@ from flax import nnx
 import helpers
 from jmegatron.models import GPT, GPTConfig, qk_clipper
 from jmegatron.models.gpt import grouped_layers, ungroup
-from jmegatron.sharding import (DEFAULT_RULES, MeshConfig, hlo_collectives, make_mesh,
-                                parse_collectives)
+from jmegatron.sharding import MeshConfig, hlo_collectives, make_mesh, parse_collectives
 from jmegatron.sharding.layouts import LAYOUTS, make_layout
 from jmegatron.sharding.rules import spec_axes
-from jmegatron.train import (AdamWConfig, ScheduleConfig, TrainConfig, create_train_state,
-                             make_loss_fn, make_train_step)
-from jmegatron.train.optimizer import make_optimizer
+from jmegatron.train import (AdamWConfig, ScheduleConfig, TrainConfig, make_loss_fn,
+                             make_train_step)
 
 MODEL = GPTConfig(vocab_size=300, d_model=64, n_layers=4, n_heads=4, n_kv_heads=2,
                   d_ff=128).pad_vocab(2)
@@ -147,8 +145,7 @@ def test_bf16_layerwise_masters_on_owners_are_as_accurate_as_one_device(
     on their owners and gathers bf16 weights (above, on 8 owners, the stacks are dealt
     round-robin and stay replicated): three steps, with their reduce-scatters (batch
     axes only) or XLA's sums (tensor 2), within ``BF16_SPREAD`` as above."""
-    devices = jax.devices()[:math.prod(mesh_config.sizes().values())]
-    params = train_three_steps(make_mesh(mesh_config, devices), "layerwise", model=BF16)
+    params = train_three_steps(helpers.mesh_of(mesh_config), "layerwise", model=BF16)
     assert distance(params, reference) <= BF16_SPREAD * bf16_reference, (
         distance(params, reference), bf16_reference)
 

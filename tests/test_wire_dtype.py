@@ -10,7 +10,6 @@ element (``Collective.widened``)."""
 
 import dataclasses
 import functools
-import math
 import re
 
 import jax
@@ -110,11 +109,11 @@ FP32_SUMS = dataclasses.replace(BF16, grad_reduce_dtype="float32")   # GPTConfig
 
 
 @functools.cache
-def gradients(mesh_config, layout="owner", model=BF16, devices=8):
+def gradients(mesh_config, layout="owner", model=BF16):
     """The weight gradients of ``model``'s loss on one batch, as [L, ...] stacks, and
     the collectives of the compiled program (each setting compiled once; pipeline
     stages run 4 microbatches)."""
-    mesh = make_mesh(mesh_config, jax.devices()[:devices])
+    mesh = helpers.mesh_of(mesh_config)
     layout, _, graphdef, state = helpers.build(mesh, layout, model, TRAIN)
     loss_fn = make_loss_fn(graphdef, dataclasses.replace(model, **layout.stack_fields), mesh,
                            layout, microbatches=4 if mesh_config.stage > 1 else 1)
@@ -123,7 +122,7 @@ def gradients(mesh_config, layout="owner", model=BF16, devices=8):
     return ungroup(compiled(*args)), parse_collectives(compiled.as_text(), mesh)
 
 
-ONE_DEVICE = MeshConfig(fsdp=1)
+ONE_DEVICE = MeshConfig(fsdp=1)   # on the first device
 
 
 def assert_near_one_device(got, model):
@@ -132,8 +131,7 @@ def assert_near_one_device(got, model):
     without fp32 sums each rank's partial gradient is rounded to bf16 before the sum
     over ranks): 8 bits kept, a few roundings, 2% of the largest entry, as
     test_layouts' bf16 layerwise-against-fsdp check."""
-    want = dict(jax.tree_util.tree_leaves_with_path(gradients(ONE_DEVICE, model=model,
-                                                              devices=1)[0]))
+    want = dict(jax.tree_util.tree_leaves_with_path(gradients(ONE_DEVICE, model=model)[0]))
     for path, a in jax.tree_util.tree_leaves_with_path(got):
         b = np.asarray(want[path])
         np.testing.assert_allclose(np.asarray(a), b, rtol=0, atol=2e-2 * np.abs(b).max(),
@@ -195,13 +193,12 @@ def test_fp32_gradient_sums_under_layerwise_pipelines_and_moe(layout, mesh_confi
     The dense gradients equal one device's; the MoE model's, whose top-k choices bf16
     can flip between meshes, equal those of its bf16 sums on the same mesh, which
     differ from them by bf16 round-off only."""
-    devices = math.prod(mesh_config.sizes().values())
     model = dataclasses.replace(model, dtype="bfloat16")
-    got, fp32 = gradients(mesh_config, layout, wide(model), devices)
+    got, fp32 = gradients(mesh_config, layout, wide(model))
     assert sums(fp32) and not any(c.widened for c in sums(fp32)), sums(fp32)
     if model.moe.n_experts:
         want = dict(jax.tree_util.tree_leaves_with_path(
-            gradients(mesh_config, layout, model, devices)[0]))
+            gradients(mesh_config, layout, model)[0]))
         for path, a in jax.tree_util.tree_leaves_with_path(got):
             b = np.asarray(want[path])
             np.testing.assert_allclose(np.asarray(a), b, rtol=0, atol=2e-2 * np.abs(b).max(),
@@ -214,12 +211,8 @@ def test_fp32_gradient_sums_under_layerwise_pipelines_and_moe(layout, mesh_confi
 
 
 
-def mesh_of(mesh_config):
-    return make_mesh(mesh_config, jax.devices()[:math.prod(mesh_config.sizes().values())])
-
-
 def layerwise_plan(model, mesh_config):
-    mesh = mesh_of(mesh_config)
+    mesh = helpers.mesh_of(mesh_config)
     return make_plan(nnx.split(GPT(model, nnx.Rngs(0)))[1], mesh, "layerwise")
 
 
@@ -249,7 +242,7 @@ def test_layerwise_keeps_a_bf16_models_masters_on_their_owners(model, mesh_confi
 
 def layerwise_gathers(dtype):
     """The all-gathers of a layerwise train step of two microbatches, on 4 owners."""
-    mesh = mesh_of(OWNERS_DIVIDE)
+    mesh = helpers.mesh_of(OWNERS_DIVIDE)
     state, step = setup(mesh, dtype, "layerwise", DENSE, microbatches=2)
     report = hlo_collectives(step, state, jax.device_put(batches()[0]))
     stacked = sum(x.size for path, x in jax.tree.leaves_with_path(state.params)
