@@ -11,6 +11,7 @@ element (``Collective.widened``)."""
 import dataclasses
 import functools
 import re
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -108,18 +109,25 @@ BF16 = dataclasses.replace(DENSE, dtype="bfloat16")
 FP32_SUMS = dataclasses.replace(BF16, grad_reduce_dtype="float32")   # GPTConfig.grad_reduce_dtype
 
 
+class Gradients(NamedTuple):
+    grads: dict               # the weight gradients, as [L, ...] stacks
+    collectives: object       # the compiled program's (hlo.CollectiveReport)
+    dots: int                 # its dot instructions (loop bodies once)
+
+
 @functools.cache
-def gradients(mesh_config, layout="owner", model=BF16):
-    """The weight gradients of ``model``'s loss on one batch, as [L, ...] stacks, and
-    the collectives of the compiled program (each setting compiled once; pipeline
-    stages run 4 microbatches)."""
+def gradients(mesh_config, layout="owner", model=BF16) -> Gradients:
+    """The weight gradients of ``model``'s loss on one batch, with what its compiled
+    program does (each setting compiled once; pipeline stages run 4 microbatches)."""
     mesh = helpers.mesh_of(mesh_config)
     layout, _, graphdef, state = helpers.build(mesh, layout, model, TRAIN)
     loss_fn = make_loss_fn(graphdef, dataclasses.replace(model, **layout.stack_fields), mesh,
                            layout, microbatches=4 if mesh_config.stage > 1 else 1)
     args = (trainable_params(state.params), jax.device_put(batches()[0]))
     compiled = jax.jit(jax.grad(lambda p, tokens: loss_fn(p, tokens)[0])).lower(*args).compile()
-    return ungroup(compiled(*args)), parse_collectives(compiled.as_text(), mesh)
+    text = compiled.as_text()
+    return Gradients(ungroup(compiled(*args)), parse_collectives(text, mesh),
+                     len(re.findall(r"= \S+ dot\(", text)))
 
 
 ONE_DEVICE = MeshConfig(fsdp=1)   # on the first device
@@ -173,13 +181,17 @@ def test_fp32_gradient_sums_send_fp32_and_equal_one_device(layout, model):
     bf16 buffer XLA:CPU widened, as the default's are), with more bytes; the weights
     are still gathered in bf16 (but the embedding table, looked up in fp32 so that its
     gradient accumulates in fp32); and the gradients equal one device's with fp32
-    sums to bf16 round-off (a sum missing or repeated over a mesh axis: 2x off)."""
-    (got, fp32), (_, bf16) = gradients(MESH, layout, wide(model)), gradients(MESH, layout, model)
+    sums to bf16 round-off (a sum missing or repeated over a mesh axis: 2x off). The
+    owner runners' remat policy saves the products' outputs as it saves dots
+    (``rules.dots_policy``; their dot is hidden in a custom_vjp): no more dots."""
+    (got, fp32, dots), (_, bf16, plain_dots) = (gradients(MESH, layout, wide(model)),
+                                                 gradients(MESH, layout, model))
     widened = lambda collectives: sum(c.widened for c in collectives)
     moved = lambda collectives: sum(c.buffer_bytes * c.executions for c in collectives)
     assert sums(fp32) and widened(sums(fp32)) == 0 < widened(sums(bf16)), sums(fp32)
     assert moved(sums(fp32)) > moved(sums(bf16))
     assert widened(fp32.select("all-gather")) >= widened(bf16.select("all-gather")) - 1 > 0
+    assert dots == plain_dots
     assert_near_one_device(got, FP32_SUMS)
 
 
@@ -194,7 +206,7 @@ def test_fp32_gradient_sums_under_layerwise_pipelines_and_moe(layout, mesh_confi
     can flip between meshes, equal those of its bf16 sums on the same mesh, which
     differ from them by bf16 round-off only."""
     model = dataclasses.replace(model, dtype="bfloat16")
-    got, fp32 = gradients(mesh_config, layout, wide(model))
+    got, fp32, _ = gradients(mesh_config, layout, wide(model))
     assert sums(fp32) and not any(c.widened for c in sums(fp32)), sums(fp32)
     if model.moe.n_experts:
         want = dict(jax.tree_util.tree_leaves_with_path(

@@ -20,8 +20,8 @@ from jmegatron.sharding.stacks import StackShape, stack_of
 
 _REMAT = {
     "full": jax.checkpoint_policies.nothing_saveable,
-    "dots": jax.checkpoint_policies.dots_saveable,
-    "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    "dots": ax.dots_policy(batch_dims=True),
+    "dots_no_batch": ax.dots_policy(),
 }
 
 

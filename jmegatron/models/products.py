@@ -8,7 +8,10 @@ runner's) then adds bf16 values. Given ``grad_dtype`` float32 (the model's
 ``GPTConfig.grad_reduce_dtype``; Megatron's fp32 main gradients), the functions
 here return the weight gradient as the product's fp32 accumulation instead, so it
 is summed in fp32 wherever it is summed. Their forward and input gradient are
-exactly the plain product's. ``grad_dtype`` None is the plain product.
+exactly the plain product's. ``grad_dtype`` None is the plain product. A remat
+policy that saves dots cannot see the dot inside their custom_vjp: the einsums name
+their outputs for ``rules.dots_policy``, which the model's and the runners' policies
+use.
 
 The gradient reaches the weight in the weight's own dtype: runners that hand a
 layer gathered weights hand them in the gradient's dtype for that reason
@@ -22,8 +25,9 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 
-from jmegatron.sharding.rules import varying
+from jmegatron.sharding.rules import BATCHED_PRODUCT, PRODUCT, varying
 
 
 def weight_einsum(subscripts: str, x: jax.Array, w: jax.Array, grad_dtype=None,
@@ -41,8 +45,10 @@ def weight_einsum(subscripts: str, x: jax.Array, w: jax.Array, grad_dtype=None,
     if grad_dtype is None:
         return jnp.einsum(subscripts, x, w.astype(x.dtype),
                           preferred_element_type=preferred_element_type)
-    _terms(subscripts)   # a bad spec fails here, at trace time
-    return _einsum(subscripts, jnp.dtype(grad_dtype), preferred_element_type, x, w)
+    x_sub, w_sub, out = _terms(subscripts)   # a bad spec fails here, at trace time
+    batched = set(x_sub) & set(w_sub) & set(out)   # dims the dot maps, not contracts
+    return checkpoint_name(_einsum(subscripts, jnp.dtype(grad_dtype), preferred_element_type,
+                                   x, w), BATCHED_PRODUCT if batched else PRODUCT)
 
 
 def _terms(subscripts: str) -> tuple[str, str, str]:

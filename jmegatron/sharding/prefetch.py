@@ -35,15 +35,15 @@ from typing import Callable, Sequence
 import jax
 import jax.numpy as jnp
 
-from jmegatron.sharding.rules import (active_mesh_and_rules, activation_sharding, manual_split,
-                                     mesh_axes_of, scatter_to_owners, varying)
+from jmegatron.sharding.rules import (active_mesh_and_rules, activation_sharding, dots_policy,
+                                     manual_split, mesh_axes_of, scatter_to_owners, varying)
 
 # run(x, whole, size) -> (x, stats): the first ``size`` layers of one group, ``whole``
 # its gathered weights (each leaf [g, ...]); stats per layer and example [size, B, ...],
 # which carry no gradient.
 RunGroup = Callable[[jax.Array, list, int], tuple[jax.Array, dict]]
 
-_SAVED = jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+_SAVED = dots_policy()
 
 
 def run_prefetched(run: RunGroup, x: jax.Array, leaves: Sequence[jax.Array],

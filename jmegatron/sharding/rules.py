@@ -254,13 +254,25 @@ def gather_in(block: jax.Array, dtype, owners: tuple[str, ...], others: tuple[st
 # Collective outputs that run_gathered's backward keeps (``checkpoint_name``).
 EXCHANGED = "exchanged"
 _GATHERED = "gathered"   # run_gathered's whole weights, kept with keep=True
+# The outputs of ``models.products``' products with fp32 weight gradients, without and
+# with batch dims: a remat policy that saves dots cannot see the dot inside their
+# custom_vjp, so ``dots_policy`` saves these names too.
+PRODUCT, BATCHED_PRODUCT = "weight_product", "batched_weight_product"
+
+
+def dots_policy(batch_dims: bool = False):
+    """JAX's ``dots_saveable`` (with ``batch_dims``) or ``dots_with_no_batch_dims_saveable``,
+    which also save the like products of ``models.products`` (by name)."""
+    policies = jax.checkpoint_policies
+    dots = policies.dots_saveable if batch_dims else policies.dots_with_no_batch_dims_saveable
+    names = (PRODUCT, BATCHED_PRODUCT) if batch_dims else (PRODUCT,)
+    return policies.save_from_both_policies(dots, policies.save_only_these_names(*names))
 
 
 def _gathered_policy(keep: bool):
     names = (EXCHANGED, _GATHERED) if keep else (EXCHANGED,)
     return jax.checkpoint_policies.save_from_both_policies(
-        jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-        jax.checkpoint_policies.save_only_these_names(*names))
+        dots_policy(), jax.checkpoint_policies.save_only_these_names(*names))
 
 
 def run_gathered(fn: Callable, x: jax.Array, leaves: Sequence[jax.Array],
