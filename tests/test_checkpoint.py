@@ -226,7 +226,8 @@ def test_sigterm_finishes_the_step_saves_and_exits_zero(tmp_path):
 
 
 KILLED_SAVE = textwrap.dedent("""
-    import os, signal, sys
+    import os, signal, sys, time
+    from pathlib import Path
     import jax, jax.numpy as jnp
     from jmegatron.train.checkpoint import Checkpointer, LeafCodec
     folder = sys.argv[1]
@@ -236,6 +237,11 @@ KILLED_SAVE = textwrap.dedent("""
     saver.wait()
     big = {"w": jnp.ones((4, 4)), "big": jnp.ones((64, 1024, 1024))}   # 256 MB
     saver.save(2, big, {"w": LeafCodec(), "big": LeafCodec()}, {})
+    # Once orbax's writer has begun step 2 (on busy cores its thread can start late):
+    deadline = time.time() + 60
+    while time.time() < deadline and not any(".orbax-checkpoint-tmp" in p.name
+                                             for p in Path(folder).iterdir()):
+        time.sleep(0.001)
     os.kill(os.getpid(), signal.SIGKILL)   # while step 2 is being written
 """)
 

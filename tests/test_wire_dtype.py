@@ -1,6 +1,8 @@
 """bf16 on the wire: under the owner and fsdp layouts a bf16 model's weights are cast to
 bf16 before they are gathered (norm scales and the router, which compute in
-fp32, in fp32), and its gradients still equal one device's in bf16.
+fp32, in fp32), and its gradients still equal one device's in bf16. With fp32
+gradient sums (``GPTConfig.grad_reduce_dtype``) no sum adds bf16 buffers, and
+layerwise's masters stay replicated.
 
 XLA:CPU widens bf16 collectives to f32 when it compiles (its float normalization and
 AllReducePromotion passes; GPUs keep them bf16): the owner gathers are read from the
@@ -139,7 +141,12 @@ def assert_near_one_device(got, model):
     without fp32 sums each rank's partial gradient is rounded to bf16 before the sum
     over ranks): 8 bits kept, a few roundings, 2% of the largest entry, as
     test_layouts' bf16 layerwise-against-fsdp check."""
-    want = dict(jax.tree_util.tree_leaves_with_path(gradients(ONE_DEVICE, model=model)[0]))
+    assert_near(got, gradients(ONE_DEVICE, model=model).grads)
+
+
+def assert_near(got, want):
+    """Each leaf of ``got`` within 2% of ``want``'s largest entry (bf16 round-off)."""
+    want = dict(jax.tree_util.tree_leaves_with_path(want))
     for path, a in jax.tree_util.tree_leaves_with_path(got):
         b = np.asarray(want[path])
         np.testing.assert_allclose(np.asarray(a), b, rtol=0, atol=2e-2 * np.abs(b).max(),
@@ -159,7 +166,7 @@ def test_bf16_gradients_equal_one_device_in_bf16(layout, model):
     (``assert_near_one_device``). A dense model: in an MoE model bf16 activations
     summed in another order can flip a token's top-k experts, which changes the
     gradients by more than round-off."""
-    assert_near_one_device(gradients(MESH, layout, model)[0], BF16)
+    assert_near_one_device(gradients(MESH, layout, model).grads, BF16)
 
 
 # --- fp32 gradient sums: GPTConfig.grad_reduce_dtype="float32" ------------------------
@@ -209,18 +216,12 @@ def test_fp32_gradient_sums_under_layerwise_pipelines_and_moe(layout, mesh_confi
     got, fp32, _ = gradients(mesh_config, layout, wide(model))
     assert sums(fp32) and not any(c.widened for c in sums(fp32)), sums(fp32)
     if model.moe.n_experts:
-        want = dict(jax.tree_util.tree_leaves_with_path(
-            gradients(mesh_config, layout, model)[0]))
-        for path, a in jax.tree_util.tree_leaves_with_path(got):
-            b = np.asarray(want[path])
-            np.testing.assert_allclose(np.asarray(a), b, rtol=0, atol=2e-2 * np.abs(b).max(),
-                                       err_msg=jax.tree_util.keystr(path))
+        assert_near(got, gradients(mesh_config, layout, model).grads)
     else:
         assert_near_one_device(got, FP32_SUMS)
 
 
 # --- layerwise: fp32 masters on their owners, bf16 weights gathered once a step ---------
-
 
 
 def layerwise_plan(model, mesh_config):
