@@ -236,13 +236,12 @@ def gather_in(block: jax.Array, dtype, owners: tuple[str, ...], others: tuple[st
     reaches the master in its own dtype. With a wider ``grad_dtype`` the gathered
     weight is handed on in it (the same values), so the layers' gradient of it, and
     its sums, are in that dtype (``models.products``)."""
-    wide = dtype if grad_dtype is None else jnp.dtype(grad_dtype)
+    wide = dtype if grad_dtype is None else grad_dtype
 
     @jax.custom_vjp
     def gather(b):
         b = jax.lax.pcast(b.astype(dtype), others, to="varying") if others else b.astype(dtype)
-        whole = jax.lax.all_gather(b, owners, axis=0, tiled=True)
-        return whole if wide == whole.dtype else whole.astype(wide)
+        return jax.lax.all_gather(b, owners, axis=0, tiled=True).astype(wide)
 
     def backward(_, g):
         return (scatter_to_owners(g, owners, others, block.dtype),)
