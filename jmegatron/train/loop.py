@@ -28,7 +28,7 @@ from jmegatron.sharding.pipeline import SCHEDULES, bubble, ticks
 from jmegatron.sharding import rules as ax
 from jmegatron.train import run_folder
 from jmegatron.train.checkpoint import (Checkpointer, CheckpointDamaged, CheckpointError, FORMAT,
-                                        abstract_of, error_line, leaf_codecs)
+                                        SaveError, abstract_of, error_line, leaf_codecs)
 from jmegatron.train.config import ConfigError, TrainConfig
 from jmegatron.train.distributed import AnyProcess, barrier, is_main, same_on_all
 from jmegatron.train.metrics import MetricsWriter, jsonable, measure_matmul_rate
@@ -378,18 +378,26 @@ class Trainer:
                 summary = run.loop(stop)
         except BaseException as err:
             if run is not None:
-                run.close()
+                with contextlib.suppress(OSError):   # a full disk fails its last flush too
+                    run.close()
             # With several processes an error here is usually a dead peer: waiting for an
             # async save (and its cross-process barrier) would hold this process until the
             # heartbeat ends it. Leave the save unfinished (the last complete checkpoint
             # stays) so that fail_fast can exit at once. One process waits and closes; a
             # failed save reports itself once, as the error being raised.
+            failed_save = None
             if jax.process_count() == 1:
-                with contextlib.suppress(Exception):
+                try:
                     self.checkpointer.close()
+                except SaveError as save_err:
+                    failed_save = save_err
+                except Exception:
+                    pass
             self.claim.release(started=run is not None and run.started)
             if _out_of_memory(err):
                 raise TrainingError(self._out_of_memory_line(err, run)) from None
+            if isinstance(err, OSError) and failed_save is not None:
+                raise failed_save from None   # a background save filled the disk: the cause
             raise
         run.close()
         self.checkpointer.close()
