@@ -27,7 +27,8 @@ def mesh_of(mesh_config):
 def build(mesh, layout_name, model, train):
     """(layout, optimizer, graphdef, state) of ``model`` under a layout, born sharded."""
     layout = make_layout(layout_name, mesh.shape, assignment=train.assignment,
-                         repeats=train.pipeline.repeats, schedule=train.pipeline.schedule)
+                         repeats=train.pipeline.repeats, schedule=train.pipeline.schedule,
+                         owner_group=train.owner_group or "fsdp")
     cfg = dataclasses.replace(model, **layout.stack_fields)
     make_model = lambda: GPT(cfg, nnx.Rngs(0))
     abstract = nnx.split(nnx.eval_shape(make_model))[1]

@@ -91,11 +91,71 @@ def test_fp32_gradient_sums_are_priced_in_fp32():
 @pytest.mark.parametrize("mesh, allowed", [
     (dict(), ("replicated",)),
     (dict(tensor=8), ("replicated",)),
-    (dict(data=8), ("replicated", "layerwise")),
-    (dict(data=2, fsdp=2, tensor=2), ("replicated", "layerwise", "fsdp", "owner")),
+    (dict(data=8), ("replicated", "layerwise", "owner over data+fsdp")),
+    (dict(data=2, fsdp=2, tensor=2),
+     ("replicated", "layerwise", "fsdp", "owner", "owner over data+fsdp")),
 ])
 def test_the_layouts_a_mesh_allows(mesh, allowed):
-    assert candidates({**MESH, **mesh}) == allowed
+    assert tuple(c.label for c in candidates({**MESH, **mesh})) == allowed
+    # Prefetch runs manual over the batch axes: not with tensor parallelism.
+    fetched = [c.label for c in candidates({**MESH, **mesh}, prefetch=True) if c.prefetch]
+    assert fetched == ([] if mesh.get("tensor", 1) > 1 else
+                       [f"{c}+prefetch" for c in allowed if c.startswith("owner")])
+
+
+BF16_7B = dataclasses.replace(scale_model("llama-7b"), dtype="bfloat16")
+
+
+def test_the_owner_group_stays_in_a_node_and_spans_it():
+    """The owner group (``--owner-group``): over data x fsdp where both fit in one
+    node (half the memory, half the optimizer's layers per rank), over fsdp alone
+    where data crosses nodes (its gathers would go over InfiniBand)."""
+    params = abstract(BF16_7B)
+    one_node = {e.label: e for e in estimate(params, {**MESH, "data": 2, "fsdp": 4}, "h100",
+                                             cost=MUON)}
+    assert one_node["owner over data+fsdp"].seconds < one_node["owner"].seconds
+    assert one_node["owner over data+fsdp"].memory_bytes < one_node["owner"].memory_bytes
+    two_nodes = {e.label: e for e in estimate(params, {**MESH, "data": 2, "fsdp": 8}, "h100",
+                                              cost=MUON)}
+    assert two_nodes["owner"].seconds < two_nodes["owner over data+fsdp"].seconds
+    # Over fsdp only each shard's gradient sum crosses nodes (hybrid sharding).
+    assert two_nodes["owner over data+fsdp"].comm.ib_bytes > 10 * two_nodes["owner"].comm.ib_bytes
+
+
+def test_prefetch_is_chosen_where_a_gpu_hides_the_gathers():
+    """7B at fsdp 8 (4 groups of 8 layers), 16K tokens a device: on a GPU prefetch
+    hides 3/4 of each pass's group collectives behind the layers' compute; XLA:CPU
+    overlaps nothing; without tokens nothing hides."""
+    params, mesh = abstract(BF16_7B), {**MESH, "fsdp": 8}
+    ranked = estimate(params, mesh, "h100", cost=MUON, prefetch=True, tokens=16384)
+    by_label = {e.label: e for e in ranked}
+    assert ranked[0].label == "owner+prefetch", [e.describe() for e in ranked]
+    fetched, plain = by_label["owner+prefetch"], by_label["owner"]
+    assert 0 < fetched.hidden_s < fetched.comm.seconds
+    assert fetched.comm.seconds == pytest.approx(plain.comm.seconds, rel=1e-6)  # 4 groups
+    assert fetched.memory_bytes > plain.memory_bytes   # one group more whole
+    fewer = {e.label: e for e in estimate(params, mesh, "h100", cost=MUON, prefetch=True,
+                                          tokens=16)}["owner+prefetch"]
+    assert fewer.hidden_s < fetched.hidden_s   # compute-bound: only what 16 tokens take
+    on_cpu = {e.label: e for e in estimate(params, mesh, "cpu", cost=MUON, prefetch=True,
+                                           tokens=16384)}
+    assert on_cpu["owner+prefetch"].hidden_s == 0
+    none = {e.label: e for e in estimate(params, mesh, "h100", cost=MUON, prefetch=True)}
+    assert none["owner+prefetch"].hidden_s == 0
+
+
+def test_the_trainer_keeps_an_owner_group_it_is_given(tmp_path):
+    cfg = dataclasses.replace(tiny(), out_dir=str(tmp_path))
+    assert "owner over data+fsdp" in plan_run(cfg).choice
+    fixed = plan_run(dataclasses.replace(cfg, owner_group="fsdp")).choice
+    assert "owner" in fixed and "data+fsdp" not in fixed
+    with pytest.raises(ValueError, match="--owner-group data\\+fsdp applies to --layout owner"):
+        plan_run(dataclasses.replace(cfg, layout="fsdp", owner_group="data+fsdp"))
+    # --model.prefetch given: every owner candidate is prefetched (tensor 1 only).
+    fetched = dataclasses.replace(cfg, mesh=MeshConfig(data=2, fsdp=4, tensor=1), fit_mesh=False,
+                                  model=dataclasses.replace(cfg.model, prefetch=True))
+    line = plan_run(fetched).choice
+    assert line.count("owner") == line.count("+prefetch") == 2, line
 
 
 def test_presets_by_device_kind():

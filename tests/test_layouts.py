@@ -50,11 +50,11 @@ QK_TAU = 0.1
 
 
 def train_three_steps(mesh, layout_name, microbatches=1, tp_mode="auto", model=MODEL,
-                      grouped=False, assignment="round_robin"):
+                      grouped=False, assignment="round_robin", owner_group=None):
     """Params after three steps with QK-clip, as [L, ...] stacks (``grouped``: as the
     layout holds them)."""
     train = dataclasses.replace(TRAIN, muon=dataclasses.replace(TRAIN.muon, tp_mode=tp_mode),
-                                assignment=assignment)
+                                assignment=assignment, owner_group=owner_group)
     layout, optimizer, graphdef, state = build(mesh, layout_name, model, train)
     loss_fn = make_loss_fn(graphdef, model, mesh, layout)
     step = make_train_step(loss_fn, optimizer, microbatches, mesh, layout.rules,
@@ -79,6 +79,21 @@ def reference():
 def test_three_steps_equal_one_device(layout, mesh_config, reference):
     params = train_three_steps(make_mesh(mesh_config), layout)
     chex.assert_trees_all_close(params, reference, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("mesh_config", [MeshConfig(data=2, fsdp=4),
+                                         MeshConfig(data=2, fsdp=2, tensor=2)],
+                         ids=["tensor1", "tensor2"])
+def test_owner_over_data_and_fsdp_equals_one_device(mesh_config, reference):
+    """``--owner-group data+fsdp``: one owner group over both batch axes, each layer's
+    matrices whole on one of data x fsdp ranks (the group gathered by the runner's
+    shard_map at tensor 1, by XLA at tensor 2)."""
+    mesh = make_mesh(mesh_config)
+    params = train_three_steps(mesh, "owner", owner_group="data+fsdp", grouped=True)
+    owners = mesh_config.data * mesh_config.fsdp
+    qkv = params["blocks"]["attn"]["qkv"]
+    assert qkv.shape[:2] == (1, owners) and spec_axes(qkv.sharding.spec[1]) == ("data", "fsdp")
+    chex.assert_trees_all_close(ungroup(params), reference, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("layout", ["layerwise", "owner"])
@@ -228,6 +243,12 @@ def muon_bytes(params) -> int:
 @pytest.mark.parametrize("train", [TRAIN, SOAP], ids=["muon", "soap"])
 def test_owner_optimizer_step_has_no_collective(fsdp8, train):
     _, report = optimizer_step(fsdp8, "owner", train)
+    assert report.collectives == (), report.table()
+
+
+def test_owner_over_data_and_fsdp_optimizer_step_has_no_collective():
+    mesh = make_mesh(MeshConfig(data=2, fsdp=4))
+    _, report = optimizer_step(mesh, "owner", dataclasses.replace(TRAIN, owner_group="data+fsdp"))
     assert report.collectives == (), report.table()
 
 

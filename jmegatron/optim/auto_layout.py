@@ -52,7 +52,7 @@ from jmegatron.optim.placement import place
 from jmegatron.optim.routing import MATRIX, MatrixFlops, Routing, leaf_routes, routed
 from jmegatron.sharding import rules as ax
 from jmegatron.sharding.cost_model import CommCost, Hardware, comm_cost, hardware, preset_for
-from jmegatron.sharding.layouts import LAYOUTS, Layout, make_layout
+from jmegatron.sharding.layouts import LAYOUTS, Layout, make_layout, owner_group_axes
 from jmegatron.sharding.mesh import BATCH_AXES
 
 MEMORY_SHARE = 0.8      # of the device's memory for params, gradients and state
@@ -71,26 +71,55 @@ class Transfer(NamedTuple):
     bytes_per_device: float   # per execution
 
 
-@dataclasses.dataclass(frozen=True)
-class LayoutEstimate:
-    """One layout's modelled step on one preset, per device."""
+class Candidate(NamedTuple):
+    """One way to run a step that auto compares: a layout and the owner layout's
+    options (its group, ``layouts.OWNER_GROUPS``; ``GPTConfig.prefetch``)."""
 
     layout: str
+    owner_group: str = "fsdp"
+    prefetch: bool = False
+
+    @property
+    def label(self) -> str:
+        if self.layout != "owner":
+            return self.layout
+        return (self.layout + ("" if self.owner_group == "fsdp" else f" over {self.owner_group}")
+                + ("+prefetch" if self.prefetch else ""))
+
+    def make(self, mesh_shape: Mapping[str, int], rules: ax.Rules = ax.DEFAULT_RULES) -> Layout:
+        return make_layout(self.layout, mesh_shape, rules, owner_group=self.owner_group)
+
+
+@dataclasses.dataclass(frozen=True)
+class LayoutEstimate:
+    """One candidate's modelled step on one preset, per device."""
+
+    candidate: Candidate
     optimizer_s: float       # the matrix optimizer's FLOPs on the busiest rank
     comm: CommCost           # its collectives
     memory_bytes: float      # params, gradients and optimizer state
     fits: bool               # memory_bytes within MEMORY_SHARE of the device's
+    hidden_s: float = 0.0    # collectives prefetch hides behind the layers' compute
+
+    @property
+    def layout(self) -> str:
+        return self.candidate.layout
+
+    @property
+    def label(self) -> str:
+        return self.candidate.label
 
     @property
     def seconds(self) -> float:
-        """Optimizer and collectives, nothing overlapped."""
-        return self.optimizer_s + self.comm.seconds
+        """Optimizer and collectives, nothing overlapped but what prefetch hides."""
+        return self.optimizer_s + self.comm.seconds - self.hidden_s
 
     def describe(self) -> str:
         moved = self.comm.nvlink_bytes + self.comm.ib_bytes
-        return (f"{self.layout} {1e3 * self.seconds:,.1f} ms (optimizer "
-                f"{1e3 * self.optimizer_s:,.1f} + collectives {1e3 * self.comm.seconds:,.1f}, "
-                f"{moved / 1e6:,.1f} MB sent, {self.memory_bytes / 1e6:,.1f} MB "
+        hidden = f" - hidden {1e3 * self.hidden_s:,.1f}" if self.hidden_s else ""
+        return (f"{self.label} {1e3 * self.seconds:,.1f} ms (optimizer "
+                f"{1e3 * self.optimizer_s:,.1f} + collectives {1e3 * self.comm.seconds:,.1f}"
+                f"{hidden}, {moved / 1e6:,.1f} MB sent, {self.memory_bytes / 1e6:,.1f} MB "
                 f"params+grads+state{'' if self.fits else ', does not fit'})")
 
 
@@ -119,6 +148,11 @@ class _Leaf(NamedTuple):
         return -(-self.layers // self.owners) * self.owners / self.layers
 
     @property
+    def groups(self) -> int:
+        """Owner: the groups of ``owners`` layers the stack is gathered in."""
+        return -(-self.layers // self.owners)
+
+    @property
     def used(self) -> float:
         """Elements a device computes with: the stored part gathered over ZeRO-3 (and
         over its owners, for masters kept there)."""
@@ -137,19 +171,27 @@ def _ring(kind: str, axes: tuple, leaf: _Leaf, elements: float, width: int,
                      / executions)]
 
 
-def _replicated(leaf: _Leaf, keep_gathered: bool) -> list[Transfer]:
+class _Run(NamedTuple):
+    """The owner runner's options a candidate is modelled with (``GPTConfig``)."""
+
+    keep_gathered: bool = False
+    prefetch: bool = False
+    manual: bool = True   # the runner's own shard_map (else XLA's sharding constraints)
+
+
+def _replicated(leaf: _Leaf, run: _Run) -> list[Transfer]:
     return _ring("all-reduce", leaf.reduced, leaf, leaf.used, leaf.summed, leaf.layers)
 
 
-def _layerwise(leaf: _Leaf, keep_gathered: bool) -> list[Transfer]:
+def _layerwise(leaf: _Leaf, run: _Run) -> list[Transfer]:
     if leaf.owners <= 1:
-        return _replicated(leaf, keep_gathered)
+        return _replicated(leaf, run)
     # The updated params (fp32), or the masters on their owners cast to the compute
     # dtype (Layout.masters_on_owners).
     width = leaf.wire if leaf.masters_on_owners else leaf.master
     gather = _ring("all-gather", leaf.reduced, leaf, leaf.used * leaf.padding, width, 1)
     if leaf.layers % leaf.owners:   # dealt round-robin: all-reduced, each owner keeps its own
-        return _replicated(leaf, keep_gathered) + gather
+        return _replicated(leaf, run) + gather
     return _ring("reduce-scatter", leaf.reduced, leaf, leaf.used, leaf.summed, 1) + gather
 
 
@@ -166,37 +208,81 @@ def _sharded(leaf: _Leaf, gathers: int, launches: int, used: float) -> list[Tran
                        launches)
 
 
-def _fsdp(leaf: _Leaf, keep_gathered: bool) -> list[Transfer]:
+def _fsdp(leaf: _Leaf, run: _Run) -> list[Transfer]:
     out = _sharded(leaf, 2, leaf.layers, leaf.used)
     if leaf.matrix_flops:   # stock FSDP-Muon gathers each whole matrix to orthogonalize it
         out += _ring("all-gather", leaf.gathered, leaf, leaf.used, leaf.master, 1)
     return out
 
 
-def _owner(leaf: _Leaf, keep_gathered: bool) -> list[Transfer]:
-    groups = -(-leaf.layers // leaf.owners)
-    again = groups > 1 and not keep_gathered
-    return _sharded(leaf, 2 if again else 1, groups, leaf.used * leaf.padding)
+def _owner(leaf: _Leaf, run: _Run) -> list[Transfer]:
+    # Prefetch gathers every group in both passes (sharding.prefetch); so does
+    # run_constrained, even one group (measured: the default run's compiled step).
+    stack = leaf.owners > 1
+    again = (stack and (run.prefetch or not run.manual)
+             or (leaf.groups > 1 and not run.keep_gathered))
+    return _sharded(leaf, 2 if again else 1, leaf.groups, leaf.used * leaf.padding)
 
 
 TRAFFIC = {"replicated": _replicated, "layerwise": _layerwise, "fsdp": _fsdp, "owner": _owner}
 assert set(TRAFFIC) == set(LAYOUTS)
 
 
-def candidates(mesh_shape: Mapping[str, int], rules: ax.Rules = ax.DEFAULT_RULES
-               ) -> tuple[str, ...]:
-    """The layouts that differ on this mesh: replicated always; layerwise where a
-    batch axis is live; fsdp and owner where a ZeRO-3 axis is."""
+def _hidden(stacks: list[tuple[_Leaf, list[Transfer]]], tokens: float,
+            mesh_shape: Mapping[str, int], hw: Hardware) -> float:
+    """Seconds of collectives that prefetch hides, per step: in each pass, every
+    group's gather but the first runs while the group before it computes (and in
+    the backward, every group's gradient sums but the last), so up to (G - 1) / G
+    of a pass's collectives hide behind (G - 1) / G of its compute; the layers'
+    compute is 2 FLOPs per weight and token forward, 4 backward (attention's
+    score products left out: less compute, less hidden)."""
+    if not (hw.overlaps and tokens and stacks):
+        return 0.0
+    hidden = 0.0
+    for pass_flops, pick in ((2, lambda t: t[:1]), (4, lambda t: t[1:])):
+        comm = comm_cost([c for leaf, t in stacks for c in pick(t)], mesh_shape, hw).seconds
+        flops = sum(pass_flops * leaf.used * tokens for leaf, _ in stacks)
+        share = sum((leaf.groups - 1) / leaf.groups * leaf.used for leaf, _ in stacks) / sum(
+            leaf.used for leaf, _ in stacks)
+        hidden += share * min(comm, flops / hw.flops_per_s)
+    return hidden
+
+
+def _manual(candidate: Candidate, mesh_shape: Mapping[str, int], rules: ax.Rules) -> bool:
+    """Whether the runners sum the gradients themselves (a shard_map manual over the
+    batch axes: layerwise's and owner's where only batch axes are live), not XLA."""
+    return candidate.layout in ("layerwise", "owner") and ax.only_batch_axes_live(
+        mesh_shape, rules)
+
+
+def _all_reduced(t: Transfer) -> Transfer:
+    """A reduce-scatter as XLA:CPU runs it (``Hardware.reduce_scatters``)."""
+    if t.kind != "reduce-scatter":
+        return t
+    return t._replace(kind="all-reduce", bytes_per_device=2 * t.bytes_per_device)
+
+
+def candidates(mesh_shape: Mapping[str, int], rules: ax.Rules = ax.DEFAULT_RULES,
+               prefetch: bool = False) -> tuple[Candidate, ...]:
+    """The candidates that differ on this mesh: replicated always; layerwise where a
+    batch axis is live; fsdp and owner over ``fsdp`` where a ZeRO-3 axis is; owner
+    over ``data+fsdp`` where that group has another live axis; and with
+    ``prefetch``, each owner also prefetched (a mesh whose only live axes are batch
+    axes: ``rules.only_batch_axes_live``)."""
     live = lambda axes: any(mesh_shape.get(a, 1) > 1 for a in axes)
-    zero3 = live(ax.mesh_axes_of(ax.EMBED, rules))
-    return tuple(name for name, ok in (("replicated", True), ("layerwise", live(BATCH_AXES)),
-                                       ("fsdp", zero3), ("owner", zero3)) if ok)
+    zero3 = ax.mesh_axes_of(ax.EMBED, rules)
+    wider = set(owner_group_axes(mesh_shape, rules)) - set(zero3)
+    out = [Candidate(name) for name, ok in (("replicated", True), ("layerwise", live(BATCH_AXES)),
+                                            ("fsdp", live(zero3))) if ok]
+    groups = [g for g, ok in (("fsdp", live(zero3)), ("data+fsdp", live(wider))) if ok]
+    fetch = (False, True) if prefetch and ax.only_batch_axes_live(mesh_shape, rules) else (False,)
+    return tuple(out + [Candidate("owner", g, f) for g in groups for f in fetch])
 
 
 def _leaves(params, layout: Layout, mesh_shape: Mapping[str, int], cost: MatrixFlops,
-            routing: Routing, zero3: tuple[str, ...]) -> list[tuple[_Leaf, bool]]:
-    """(leaf, is_matrix) for every trained leaf of ``params`` under ``layout``;
-    ``zero3``: the mesh axes the rules split params over element-wise."""
+            routing: Routing) -> list[tuple[_Leaf, bool]]:
+    """(leaf, is_matrix) for every trained leaf of ``params`` under ``layout``."""
+    zero3 = ax.mesh_axes_of(ax.EMBED, layout.rules)   # split element-wise (or by owner)
     batch = [a for a in BATCH_AXES if mesh_shape.get(a, 1) > 1]
     sizes = dict(mesh_shape)
     out = []
@@ -244,38 +330,47 @@ def _owners(layout: Layout, leaf, logical, is_matrix: bool) -> int:
 
 
 def estimate(params, mesh_shape: Mapping[str, int], hw: Hardware | str,
-             layouts: Sequence[str] | None = None, cost: MatrixFlops | None = None,
+             layouts: Sequence[str | Candidate] | None = None, cost: MatrixFlops | None = None,
              routing: Routing = Routing(), rules: ax.Rules = ax.DEFAULT_RULES,
-             keep_gathered: bool = False, state_bytes: tuple[int, int] = STATE_BYTES
-             ) -> list[LayoutEstimate]:
-    """Each layout's modelled step, shortest first (layouts that fit first).
+             keep_gathered: bool = False, state_bytes: tuple[int, int] = STATE_BYTES,
+             prefetch: bool = False, tokens: float = 0.0) -> list[LayoutEstimate]:
+    """Each candidate's modelled step, shortest first (those that fit first).
 
     Args:
       params: the params (abstract is enough: shapes, logical axes and compute
         dtypes are read), stacked [L, ...] or grouped [L/g, g, ...].
       mesh_shape: axis name -> size, in the mesh's order (``mesh.shape``).
       hw: a ``cost_model.Hardware`` or the name of a preset.
-      layouts: the layouts to compare; None: ``candidates(mesh_shape)``.
+      layouts: the layouts (names) or candidates to compare; None:
+        ``candidates(mesh_shape, rules, prefetch)``.
       cost: the optimizer's FLOPs of one matrix, ``(fan_in, fan_out) -> FLOPs``
         (the registry's ``matrix_flops``); None: no matrix optimizer (AdamW).
       routing: which leaves are matrices.
       rules: the logical-to-mesh rules the layouts are built on.
-      keep_gathered: the owner backward reuses the forward's gathered weights.
+      keep_gathered: the owner backward reuses the forward's gathered weights
+        (no prefetch then).
       state_bytes: optimizer state per element, (matrices, other leaves).
+      prefetch: also model each owner candidate prefetched (dense stacks only).
+      tokens: tokens per device in one forward and backward pass (a microbatch),
+        which prefetch's overlap needs (0: nothing hidden; nor where ``hw`` does
+        not overlap collectives with compute).
 
     Returns:
-      One ``LayoutEstimate`` per layout: those that fit first, then by seconds,
+      One ``LayoutEstimate`` per candidate: those that fit first, then by seconds,
       then by memory.
     """
     hw = hardware(hw) if isinstance(hw, str) else hw
     cost = cost or (lambda fan_in, fan_out: 0)
+    todo = layouts or candidates(mesh_shape, rules, prefetch and not keep_gathered)
     out = []
-    for name in layouts or candidates(mesh_shape, rules):
-        layout = make_layout(name, mesh_shape, rules)
-        transfers, flops, memory = [], 0.0, 0.0
-        for leaf, is_matrix in _leaves(params, layout, mesh_shape, cost, routing,
-                                       ax.mesh_axes_of(ax.EMBED, rules)):
-            transfers += TRAFFIC[name](leaf, keep_gathered)
+    for candidate in (c if isinstance(c, Candidate) else Candidate(c) for c in todo):
+        manual = _manual(candidate, mesh_shape, rules)
+        layout = candidate.make(mesh_shape, rules)
+        run = _Run(keep_gathered, candidate.prefetch, manual)
+        transfers, stacks, flops, memory = [], [], 0.0, 0.0
+        for leaf, is_matrix in _leaves(params, layout, mesh_shape, cost, routing):
+            sent = TRAFFIC[candidate.layout](leaf, run)
+            transfers += sent
             slots = leaf.padding / leaf.owners   # of the stack, on the busiest rank
             split = leaf.used / leaf.elements   # tensor and expert splits
             flops += leaf.matrix_flops * split * slots
@@ -285,9 +380,15 @@ def estimate(params, mesh_shape: Mapping[str, int], hw: Hardware | str,
                 state_bytes[0] if is_matrix else state_bytes[1]) * min(leaf.local,
                                                                        leaf.used * slots)
             memory += leaf.used * leaf.wire if leaf.masters_on_owners else 0
+            if run.prefetch and leaf.owners > 1:   # a prefetched stack: one group more whole
+                stacks.append((leaf, sent))
+                memory += leaf.used * leaf.padding / leaf.groups * leaf.wire
         memory_ok = memory <= MEMORY_SHARE * hw.hbm_gb * 1e9
-        out.append(LayoutEstimate(name, flops / hw.flops_per_s,
-                                  comm_cost(transfers, mesh_shape, hw), memory, memory_ok))
+        if not (hw.reduce_scatters or manual):
+            transfers = [_all_reduced(t) for t in transfers]
+        out.append(LayoutEstimate(candidate, flops / hw.flops_per_s,
+                                  comm_cost(transfers, mesh_shape, hw), memory, memory_ok,
+                                  _hidden(stacks, tokens, mesh_shape, hw)))
     return sorted(out, key=lambda e: (not e.fits, e.seconds, e.memory_bytes))
 
 
@@ -302,21 +403,26 @@ def choose(params, mesh: jax.sharding.Mesh, rules: ax.Rules = ax.DEFAULT_RULES,
            cost: MatrixFlops | None = None, routing: Routing = Routing()) -> Layout:
     """``make_plan(..., layout="auto")``: the layout with the shortest modelled step on
     the preset of ``mesh``'s devices among those ``params`` are stacked for (owner
-    needs block weights grouped [L/f, f, ...]: build the model with the owner
-    layout's ``stack_fields`` for it to be considered)."""
+    needs block weights grouped [L/f, f, ...], f its group's size: build the model
+    with the owner layout's ``stack_fields`` for it to be considered)."""
     preset, _ = preset_of(mesh.devices.flat[0])
-    ranked = [make_layout(e.layout, mesh.shape, rules)
+    ranked = [e.candidate.make(mesh.shape, rules)
               for e in estimate(params, mesh.shape, preset, cost=cost, routing=routing,
                                 rules=rules)]
     return next(layout for layout in ranked if _stacked_for(layout, params, routing))
 
 
 def _stacked_for(layout: Layout, params, routing: Routing) -> bool:
-    """Whether every matrix leaf of ``params`` can live under ``layout``."""
+    """Whether every matrix leaf of ``params`` can live under ``layout``, its layers
+    grouped as the layout runs them."""
     for leaf in leaf_routes(params, routing):
         if leaf.route.kind == MATRIX and leaf.logical:
             try:
                 layout.check_matrix(leaf.path, leaf.logical)
             except ValueError:
+                return False
+            grouped = ax.LAYER_GROUPS in leaf.logical[:2]
+            group = leaf.shape[leaf.logical.index(ax.LAYERS)] if grouped else 1
+            if group != layout.layer_group:
                 return False
     return True

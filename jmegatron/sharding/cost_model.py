@@ -140,6 +140,19 @@ class Hardware:
     sms: int                    # streaming multiprocessors (compute_model's waves)
     links: Flat | NcclRing      # how one collective execution is timed
     source: str                 # where the figures come from
+    # Whether a collective can run while the device computes something it does not
+    # feed: on GPUs XLA runs collectives asynchronously (start/done pairs on their
+    # own streams) and its latency-hiding scheduler moves their starts ahead of
+    # independent work (--xla_gpu_enable_latency_hiding_scheduler, which
+    # docs.jax.dev's "GPU performance tips" recommend and NVIDIA's JAX containers
+    # set); XLA:CPU runs each collective in its turn.
+    overlaps: bool = True
+    # Whether a gradient sum that XLA's SPMD partitioner places (sharding constraints,
+    # not a shard_map's own psum_scatter) becomes a reduce-scatter. XLA:CPU's becomes
+    # an all-reduce, twice the bytes: measured on the default run's compiled train
+    # step (data 2 x fsdp 2 x tensor 2, 2026-12-05), layerwise and owner all-reduce
+    # 2.76 MB over data and fsdp and reduce-scatter nothing.
+    reduce_scatters: bool = True
 
     @property
     def flops_per_s(self) -> float:
@@ -193,7 +206,9 @@ HARDWARE: dict[str, Hardware] = {
         "mfu 1); all-gathers and reduce-scatters of 64 MB send 0.41-0.48 GB/s per "
         "device (0.5 here; 2-3.5 GB/s at 4 MB, which fits in cache); a 4 KB one takes "
         "0.2-0.27 ms (the latency, per collective whatever its group); memory: 128 GB "
-        "shared by 8 devices; no HBM or SM figures (compute_model does not apply)"),
+        "shared by 8 devices; no HBM or SM figures (compute_model does not apply); no "
+        "overlap of collectives with compute; XLA's gradient sums all-reduced",
+        overlaps=False, reduce_scatters=False),
 }
 
 

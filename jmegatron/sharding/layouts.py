@@ -48,13 +48,18 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from jmegatron.sharding.pipeline import PipelineRunner
-from jmegatron.sharding.rules import (BATCH, DEFAULT_RULES, EMBED, LAYER_GROUPS, LAYERS, STAGES,
-                                     Rules, logical_to_spec, mesh_axes_of, spec_axes, split_size,
-                                     with_rules)
+from jmegatron.sharding.rules import (BATCH, DEFAULT_RULES, EMBED, EXPERTS, LAYER_GROUPS, LAYERS,
+                                     STAGES, Rules, logical_to_spec, mesh_axes_of, spec_axes,
+                                     split_size, with_rules)
 from jmegatron.sharding.runners import ScanRunner, ScatterRunner, StackRunner, default_runner
 
 LAYOUTS = ("replicated", "layerwise", "fsdp", "owner")
 ASSIGNMENTS = ("round_robin", "balanced")
+# The owner layout's group, the ranks that each hold whole matrices of every group of
+# layers: the ZeRO-3 axis (``fsdp``; the data ranks hold copies, as hybrid-sharded
+# FSDP), or every batch rank but the experts' (``data+fsdp``: one group, as FSDP over
+# both axes).
+OWNER_GROUPS = ("fsdp", "data+fsdp")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -210,20 +215,24 @@ class Owner(Layout):
 
 def make_layout(name: str, mesh_shape: Mapping[str, int], rules: Rules = DEFAULT_RULES,
                 assignment: str = "round_robin", repeats: int = 1,
-                schedule: str | None = None) -> Layout:
+                schedule: str | None = None, owner_group: str = "fsdp") -> Layout:
     """The layout ``name`` for a mesh of ``mesh_shape``, built on Megatron's ``rules``;
     under layerwise, matrices are owned by ``assignment`` (round_robin, or
-    balanced: see ``jmegatron.optim.owners.stack_offsets``); with pipeline stages,
-    ``repeats`` chunks per stage make the pipeline circular, and ``schedule`` (None:
-    circular with repeats, else gpipe) may choose 1f1b."""
+    balanced: see ``jmegatron.optim.owners.stack_offsets``); under owner, by the
+    ranks of ``owner_group`` (``OWNER_GROUPS``); with pipeline stages, ``repeats``
+    chunks per stage make the pipeline circular, and ``schedule`` (None: circular
+    with repeats, else gpipe) may choose 1f1b."""
     if repeats != 1 or schedule is not None:
-        return dataclasses.replace(make_layout(name, mesh_shape, rules, assignment),
+        return dataclasses.replace(make_layout(name, mesh_shape, rules, assignment,
+                                               owner_group=owner_group),
                                    repeats=repeats,
                                    schedule=schedule or ("circular" if repeats > 1 else "gpipe"))
     if name not in LAYOUTS:
         raise ValueError(f"unknown layout {name!r}; choose one of {LAYOUTS}")
     if assignment not in ASSIGNMENTS:
         raise ValueError(f"unknown assignment {assignment!r}; choose one of {ASSIGNMENTS}")
+    if owner_group not in OWNER_GROUPS:
+        raise ValueError(f"unknown owner group {owner_group!r}; choose one of {OWNER_GROUPS}")
     live = lambda axes: tuple(a for a in axes if mesh_shape.get(a, 1) > 1)
     sizes = lambda axes: tuple(mesh_shape[a] for a in axes)
     stages = split_size(mesh_shape, rules, STAGES)
@@ -239,6 +248,18 @@ def make_layout(name: str, mesh_shape: Mapping[str, int], rules: Rules = DEFAULT
     # embed axis then stays whole (a mesh axis splits an array once), while the
     # embedding and head keep their element-wise split.
     zero3 = mesh_axes_of(EMBED, rules)
+    if owner_group == "data+fsdp":
+        zero3 = owner_group_axes(mesh_shape, rules)
+        rules = with_rules(rules, **{EMBED: zero3 or None})
     return Owner(with_rules(rules, **{LAYERS: zero3 or None}), live(zero3), sizes(live(zero3)),
                  stages=stages)
 
+
+
+def owner_group_axes(mesh_shape: Mapping[str, int], rules: Rules = DEFAULT_RULES
+                     ) -> tuple[str, ...]:
+    """The mesh axes of the ``data+fsdp`` owner group, in the mesh's order: the ZeRO-3
+    axes and every other live batch axis but the experts'."""
+    zero3, experts = mesh_axes_of(EMBED, rules), mesh_axes_of(EXPERTS, rules)
+    return tuple(a for a in mesh_axes_of(BATCH, rules)
+                 if a in zero3 or (a not in experts and mesh_shape.get(a, 1) > 1))

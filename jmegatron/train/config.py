@@ -354,6 +354,10 @@ class TrainConfig:
     layerwise (Megatron: state of each matrix on one data rank), fsdp (ZeRO-3,
     element-wise), owner (MatrixFSDP: each matrix whole on one fsdp rank); auto: the
     one with the shortest modelled step on this mesh and hardware (printed at start)."""
+    owner_group: Literal["fsdp", "data+fsdp"] | None = None
+    """owner: the ranks that each hold whole matrices of every group of layers: fsdp (the
+    data ranks hold copies, as hybrid-sharded FSDP) or data+fsdp (one group over both);
+    unset: --layout auto chooses it, --layout owner takes fsdp."""
     assignment: Literal["round_robin", "balanced"] = "round_robin"
     """layerwise: which data rank owns each matrix: round_robin (continuing from one
     stack to the next) or balanced (heaviest stacks first, evening the per-rank

@@ -104,6 +104,9 @@ def plan_run(cfg: TrainConfig) -> Plan:
     if cfg.top_k > cfg.model.vocab_size:
         raise ValueError(f"--top-k {cfg.top_k}: must be at most the vocabulary "
                          f"(model.vocab_size={cfg.model.vocab_size})")
+    if cfg.owner_group and cfg.layout not in ("owner", "auto"):
+        raise ValueError(f"--owner-group {cfg.owner_group} applies to --layout owner (or "
+                         f"auto), not {cfg.layout}")
     layout, model, choice = (choose_layout(cfg, mesh) if cfg.layout == "auto"
                              else (*layout_and_model(cfg.layout, cfg, mesh), ""))
     run_folder.check_out_dir(cfg.out_dir)
@@ -114,16 +117,21 @@ def plan_run(cfg: TrainConfig) -> Plan:
     return Plan(mesh, model, corpus, layout, run_dir, choice)
 
 
-def layout_and_model(name: str, cfg: TrainConfig, mesh: MeshConfig) -> tuple[Layout, GPTConfig]:
+def layout_and_model(name: str, cfg: TrainConfig, mesh: MeshConfig,
+                     owner_group: str | None = None, prefetch: bool | None = None
+                     ) -> tuple[Layout, GPTConfig]:
     """The layout ``name`` on ``mesh`` and the model stacked for it; raises ValueError
-    where they do not fit the mesh or the batch."""
+    where they do not fit the mesh or the batch. ``owner_group`` and ``prefetch``
+    (owner; None: ``cfg``'s) are what ``--layout auto`` chose."""
     layout = make_layout(name, mesh.sizes(), assignment=cfg.assignment,
-                         repeats=cfg.pipeline.repeats, schedule=cfg.pipeline.schedule)
+                         repeats=cfg.pipeline.repeats, schedule=cfg.pipeline.schedule,
+                         owner_group=owner_group or cfg.owner_group or "fsdp")
     if layout.stages > 1 and cfg.microbatches < layout.stages:
         raise ValueError(f"--mesh.stage {layout.stages} needs --microbatches >= "
                          f"{layout.stages} (got {cfg.microbatches}): every stage would idle")
     vocab_parts = ax.split_size(mesh.sizes(), layout.rules, ax.VOCAB)
-    model = dataclasses.replace(cfg.model.pad_vocab(vocab_parts), **layout.stack_fields)
+    model = dataclasses.replace(cfg.model.pad_vocab(vocab_parts), **layout.stack_fields,
+                                prefetch=cfg.model.prefetch if prefetch is None else prefetch)
     validate_sharding(model.logical_dims(), mesh.sizes(), layout.rules, cfg.microbatch_size)
     if model.prefetch and not ax.only_batch_axes_live(mesh.sizes(), layout.rules):
         raise ValueError(f"--model.prefetch needs --mesh.tensor 1 (got {mesh.tensor}): it "
@@ -132,22 +140,25 @@ def layout_and_model(name: str, cfg: TrainConfig, mesh: MeshConfig) -> tuple[Lay
 
 
 def choose_layout(cfg: TrainConfig, mesh: MeshConfig) -> tuple[Layout, GPTConfig, str]:
-    """``--layout auto``: the layout with the shortest modelled step
-    (``optimizer.rank_layouts``) among those the mesh and batch allow, its model, and
-    a line that names it, the runner-up and the others with their modelled times."""
+    """``--layout auto``: the layout (and owner's group and prefetch) with the shortest
+    modelled step (``optimizer.rank_layouts``) among those the mesh and batch allow,
+    its model, and a line that names it, the runner-up and the others with their
+    modelled times."""
     params = nnx.state(nnx.eval_shape(lambda: GPT(cfg.model, nnx.Rngs(0))))
     ranked, preset = rank_layouts(cfg, params, mesh.sizes(), jax.devices()[0])
     refused = {}
     for estimate in ranked:
+        c = estimate.candidate
         try:
-            layout, model = layout_and_model(estimate.layout, cfg, mesh)
+            layout, model = layout_and_model(c.layout, cfg, mesh, c.owner_group,
+                                             c.prefetch if c.layout == "owner" else None)
         except ValueError as err:
-            refused[estimate.layout] = str(err)
+            refused[estimate.label] = str(err)
             continue
-        others = [e for e in ranked if e is not estimate and e.layout not in refused]
+        others = [e for e in ranked if e is not estimate and e.label not in refused]
         line = (f"layout auto: {estimate.describe()}"
                 + (f"; runner-up {others[0].describe()}" if others else "")
-                + "".join(f"; {e.layout} {1e3 * e.seconds:,.1f} ms" for e in others[1:])
+                + "".join(f"; {e.label} {1e3 * e.seconds:,.1f} ms" for e in others[1:])
                 + "".join(f"; {name} refused: {why}" for name, why in refused.items())
                 + f" (modelled on {preset}: the optimizer and collectives of a step; "
                   "docs/layouts.md, 'auto')")

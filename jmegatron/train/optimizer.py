@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import math
+import os
 
 import jax
 import jax.numpy as jnp
@@ -13,7 +15,9 @@ from jmegatron.optim.auto_layout import STATE_BYTES, LayoutEstimate, estimate, p
 from jmegatron.optim.owners import ns_cost
 from jmegatron.optim.tensor_parallel import tp_note
 from jmegatron.sharding import rules as ax
+from jmegatron.sharding.cost_model import hardware
 from jmegatron.sharding.layouts import Layout
+from jmegatron.sharding.mesh import BATCH_AXES
 from jmegatron.sharding.rules import logical_axes_of
 from jmegatron.train.config import ScheduleConfig, TrainConfig
 from jmegatron.train.registry import OPTIMIZERS
@@ -64,18 +68,35 @@ def routing_of(cfg: TrainConfig) -> Routing:
     return Routing(split_qkv=cfg.muon.split_qkv, per_head=cfg.muon.per_head)
 
 
+# XLA's GPU scheduler that moves a collective's start ahead of independent work (off
+# by default in XLA; docs.jax.dev's "GPU performance tips" recommend it): without it
+# nothing prefetch issues early overlaps the layers' compute.
+LATENCY_HIDING = "--xla_gpu_enable_latency_hiding_scheduler=true"
+
+
 def rank_layouts(cfg: TrainConfig, abstract_params, mesh_shape, device
                  ) -> tuple[list[LayoutEstimate], str]:
-    """``--layout auto``'s comparison: the layouts the mesh allows, modelled
-    (``optim.auto_layout.estimate``) for ``cfg``'s optimizer on the preset of
-    ``device``, shortest first; and the preset's name as the log states it."""
+    """``--layout auto``'s comparison: the candidates the mesh and ``cfg`` allow (an
+    owner group or prefetch ``cfg`` fixes is kept; prefetch for dense models, under
+    XLA's latency-hiding scheduler), modelled (``optim.auto_layout.estimate``) for
+    ``cfg``'s optimizer and batch on the preset of ``device``, shortest first; and
+    the preset's name as the log states it."""
     entry = OPTIMIZERS.get(cfg.optim)   # None: adamw
     preset, label = preset_of(device)
+    model = cfg.model
+    # Tokens per device in one microbatch: what one pass of the layers computes on.
+    ranks = math.prod(v for k, v in mesh_shape.items() if k in BATCH_AXES)
+    tokens = cfg.batch_size * cfg.seq_len / cfg.microbatches / ranks
+    hides = hardware(preset).overlaps and LATENCY_HIDING in os.environ.get("XLA_FLAGS", "")
+    prefetch = not any(model.moe_layers) and (hides or model.prefetch)
+    kept = lambda c: ((cfg.owner_group in (None, c.owner_group))
+                      and (c.prefetch or not model.prefetch))
     ranked = estimate(abstract_params, mesh_shape, preset,
                       cost=entry.matrix_flops(cfg) if entry else None, routing=routing_of(cfg),
-                      keep_gathered=cfg.model.keep_gathered,
-                      state_bytes=STATE_BYTES if entry else (8, 8))
-    return ranked, label
+                      keep_gathered=model.keep_gathered,
+                      state_bytes=STATE_BYTES if entry else (8, 8),
+                      prefetch=prefetch, tokens=tokens if hides else 0.0)
+    return [e for e in ranked if e.layout != "owner" or kept(e.candidate)], label
 
 
 # Every --optim but adamw (``registry.OPTIMIZERS``).
