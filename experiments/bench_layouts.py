@@ -1,6 +1,7 @@
 """Optimizer layouts side by side (the MatrixFSDP table).
 
     python -m experiments.bench_layouts [--small] [--layers L] [--experts E [--expert P]]
+                                        [--data D]
                                         [--optim muon soap adamw] [--keep-gathered]
                                         [--dtype bfloat16 [--grad-reduce-dtype float32]]
                                         [--out PATH]
@@ -25,6 +26,8 @@ With --dtype bfloat16 the model computes in bf16 (the bytes count bf16 buffers a
 2 bytes, as an accelerator sends them: ``hlo.Collective.widened``), and with
 --grad-reduce-dtype float32 sums its weight gradients in fp32
 (``GPTConfig.grad_reduce_dtype``).
+With --data D (fsdp = 8 / D), a row `owner/data+fsdp`: owner with one group over
+data x fsdp (``--owner-group data+fsdp``) beside `owner`'s group over fsdp.
 With --keep-gathered, a row `owner+kept`: owner with ``GPTConfig.keep_gathered``
 (the backward keeps each group's gathered weights, FSDP's
 reshard_after_forward=False).
@@ -143,11 +146,13 @@ def _missing_in_optax(train: TrainConfig) -> list[str]:
 
 
 def measure(variant: str, mesh, model: GPTConfig, tokens, optim: str = "muon") -> dict:
-    layout_name, _, assignment = variant.partition("/")   # "layerwise/balanced"
-    assignment = assignment or "round_robin"
+    # "layerwise/balanced": an assignment; "owner/data+fsdp": an owner group.
+    layout_name, _, option = variant.partition("/")
+    assignment = option if layout_name == "layerwise" and option else "round_robin"
+    owner_group = option if layout_name == "owner" and option else "fsdp"
     keep = variant == KEPT
     layout = make_layout("fsdp" if variant == OPTAX else "owner" if keep else layout_name,
-                         mesh.shape, assignment=assignment)
+                         mesh.shape, assignment=assignment, owner_group=owner_group)
     cfg = dataclasses.replace(model, **layout.stack_fields, keep_gathered=keep)
     train = TrainConfig(steps=10, grad_clip=0.0, schedule=ScheduleConfig(warmup_steps=0),
                         optim=optim)
@@ -213,6 +218,9 @@ def parser() -> argparse.ArgumentParser:
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--experts", type=int, default=0, help="MoE MLPs of E experts")
     parser.add_argument("--expert", type=int, default=1, help="expert-parallel ranks P")
+    parser.add_argument("--data", type=int, default=1,
+                        help="data ranks (fsdp = 8 / (data x P)); above 1, a row "
+                             "'owner/data+fsdp': one owner group over both axes")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                         help="the model's compute dtype (params stay fp32)")
     parser.add_argument("--grad-reduce-dtype", default="compute", choices=["compute", "float32"],
@@ -228,7 +236,8 @@ def parser() -> argparse.ArgumentParser:
 def main(args_list: list[str] | None = None) -> list[dict]:
     args = parser().parse_args(args_list)
     jax.config.update("jax_num_cpu_devices", 8)
-    mesh = make_mesh(MeshConfig(fsdp=8 // args.expert, expert=args.expert))
+    mesh = make_mesh(MeshConfig(data=args.data, fsdp=8 // args.expert // args.data,
+                                expert=args.expert))
     model = dataclasses.replace(model_config(args.small, args.layers, args.experts),
                                 dtype=args.dtype, grad_reduce_dtype=args.grad_reduce_dtype)
     tokens = jax.device_put(
@@ -236,7 +245,8 @@ def main(args_list: list[str] | None = None) -> list[dict]:
         jax.NamedSharding(mesh, jax.P(("data", "fsdp", "expert"))))
     # Where the owners do not divide the layers, the balanced layerwise assignment too.
     variants = (LAYOUTS + (("layerwise/balanced",) if args.layers % 8 else ())
-                + ((KEPT,) if args.keep_gathered else ()))
+                + ((KEPT,) if args.keep_gathered else ())
+                + (("owner/data+fsdp",) if args.data > 1 else ()))
     # optax.contrib.muon is the baseline of Muon only (optax has no SOAP; AdamW is optax's).
     rows = [measure(name, mesh, model, tokens, optim) for optim in args.optim
             for name in variants + ((OPTAX,) if optim == "muon" else ())]

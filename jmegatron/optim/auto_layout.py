@@ -1,7 +1,8 @@
 """``--layout auto``: the layout whose modelled step is shortest for a mesh, a model
 and an optimizer, decided from the params' shapes alone (nothing is compiled).
 
-Per device and step, for each layout the mesh allows (``candidates``):
+Per device and step, for each candidate the mesh allows (``candidates``: a layout,
+and for owner its group, ``layouts.OWNER_GROUPS``, and prefetch):
 
   optimizer    the matrix optimizer's FLOPs on one rank (``cost`` per matrix):
                every rank runs every matrix under replicated and fsdp ("stock
@@ -14,7 +15,11 @@ Per device and step, for each layout the mesh allows (``candidates``):
                collective stays in one node, else InfiniBand, each launch timed by
                the preset's links (``cost_model.comm_cost``: NCCL's ring model on
                GPUs, its latency growing with the ring's steps);
-  memory       params, gradients and optimizer state per device. A layout whose
+  hidden       prefetch only, on a preset that overlaps collectives with compute
+               (``Hardware.overlaps``): in each pass every group's collectives but
+               the first's, up to the layers' compute (``_hidden``);
+  memory       params, gradients and optimizer state per device (and a prefetched
+               group's weights). A layout whose
                share exceeds ``MEMORY_SHARE`` of the device's memory is chosen only
                when no layout fits.
 
@@ -30,7 +35,12 @@ copies of the same elements, over which gradients are summed):
               other batch ranks; matrices: gathered once more for the optimizer.
   owner       like fsdp, but a group of f layers is gathered at once, the backward
               gathers again only with more than one group (and not with
-              ``keep_gathered``), and the optimizer gathers nothing.
+              ``keep_gathered``), or always where the groups move by XLA's
+              sharding constraints or are prefetched, and the optimizer gathers
+              nothing.
+
+On a preset whose XLA makes gradient sums it places itself all-reduces
+(``Hardware.reduce_scatters``: XLA:CPU), their reduce-scatters count as all-reduces.
 
 The forward and backward FLOPs are equal under every layout and left out, so the
 modelled times rank layouts; they are not step times. Gathers are counted in the
