@@ -739,10 +739,9 @@ def auto_rows(rows: list[dict], hardware: list[str]) -> list[dict]:
         params = nnx.state(nnx.eval_shape(lambda: GPT(cfg, nnx.Rngs(0))))
         entry = OPTIMIZERS.get(s.optim)
         for hw in hardware:
-            ranked = [e for e in estimate(
-                params, next(iter(compiled.values()))["mesh_shape"], hw,
-                cost=entry.matrix_flops(train_config(s, "fsdp")) if entry else None)
-                if e.layout in compiled]
+            ranked = estimate(params, next(iter(compiled.values()))["mesh_shape"], hw,
+                              layouts=list(compiled),
+                              cost=entry.matrix_flops(train_config(s, "fsdp")) if entry else None)
             step = {k: r[f"{hw}_step_ms"] for k, r in compiled.items()}
             fastest = min(step, key=step.get)
             out.append({"setting": name, "hw": hw, "auto": ranked[0].layout,

@@ -88,6 +88,11 @@ class Layout:
         return 1
 
     @property
+    def label(self) -> str:
+        """The layout as a log names it."""
+        return self.name
+
+    @property
     def stack_fields(self) -> dict[str, int]:
         """How the model must stack its blocks for this layout: the ``GPTConfig``
         fields ``layer_group``, ``stages`` and ``repeats``
@@ -202,6 +207,10 @@ class Owner(Layout):
     @property
     def layer_group(self) -> int:
         return self.owners
+
+    @property
+    def label(self) -> str:
+        return f"{self.name} (owner group: {' x '.join(self.owner_axes) or 'none'})"
 
     def stage_runner(self, prefetch: bool, keep_gathered: bool) -> StackRunner:
         return default_runner(self.layer_group, prefetch, keep_gathered)

@@ -495,7 +495,8 @@ class Run:
         if t.layout_choice:
             t.log(t.layout_choice)
         groups = t.optimizer.leaf_groups
-        t.log(f"optimizer {t.cfg.optim}, layout {t.layout.name}: " + ", ".join(
+        prefetch = ", prefetch" if t.layout.layer_group > 1 and t.model_cfg.prefetch else ""
+        t.log(f"optimizer {t.cfg.optim}, layout {t.layout.label}{prefetch}: " + ", ".join(
             f"{groups.count(g)} leaves {g}" for g in sorted(set(groups))) +
             f" | {t.cfg.optim} matmuls {self.optimizer_flops / 1e9:.2f} GFLOP/step "
             f"(routing and ownership: {self.dir / 'routing.txt'})")
