@@ -229,7 +229,7 @@ def _owner(leaf: _Leaf, run: _Run) -> list[Transfer]:
     # Prefetch gathers every group in both passes (sharding.prefetch); so does
     # run_constrained, even one group (measured: the default run's compiled step).
     stack = leaf.owners > 1
-    again = (stack and (run.prefetch or not run.manual)
+    again = ((stack and (run.prefetch or not run.manual))
              or (leaf.groups > 1 and not run.keep_gathered))
     return _sharded(leaf, 2 if again else 1, leaf.groups, leaf.used * leaf.padding)
 
@@ -248,13 +248,13 @@ def _hidden(stacks: list[tuple[_Leaf, list[Transfer]]], tokens: float,
     score products left out: less compute, less hidden)."""
     if not (hw.overlaps and tokens and stacks):
         return 0.0
+    weights = sum(leaf.used for leaf, _ in stacks)
+    share = sum((leaf.groups - 1) / leaf.groups * leaf.used for leaf, _ in stacks) / weights
     hidden = 0.0
-    for pass_flops, pick in ((2, lambda t: t[:1]), (4, lambda t: t[1:])):
-        comm = comm_cost([c for leaf, t in stacks for c in pick(t)], mesh_shape, hw).seconds
-        flops = sum(pass_flops * leaf.used * tokens for leaf, _ in stacks)
-        share = sum((leaf.groups - 1) / leaf.groups * leaf.used for leaf, _ in stacks) / sum(
-            leaf.used for leaf, _ in stacks)
-        hidden += share * min(comm, flops / hw.flops_per_s)
+    # _sharded's order: the forward's gather, then the backward's collectives.
+    for flops_per_weight, pick in ((2, lambda t: t[:1]), (4, lambda t: t[1:])):
+        comm = comm_cost([c for _, t in stacks for c in pick(t)], mesh_shape, hw).seconds
+        hidden += share * min(comm, flops_per_weight * weights * tokens / hw.flops_per_s)
     return hidden
 
 

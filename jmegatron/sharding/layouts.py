@@ -264,7 +264,6 @@ def make_layout(name: str, mesh_shape: Mapping[str, int], rules: Rules = DEFAULT
                  stages=stages)
 
 
-
 def owner_group_axes(mesh_shape: Mapping[str, int], rules: Rules = DEFAULT_RULES
                      ) -> tuple[str, ...]:
     """The mesh axes of the ``data+fsdp`` owner group, in the mesh's order: the ZeRO-3
