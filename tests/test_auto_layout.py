@@ -178,6 +178,12 @@ def test_make_plan_chooses_among_the_layouts_the_params_are_stacked_for():
     grouped = abstract(dataclasses.replace(model, layer_group=8))
     assert make_plan(grouped, mesh, "auto").layout.name == estimate(
         grouped, mesh.shape, "cpu")[0].layout
+    # On data 2 x fsdp 4 the owner group must match the model's groups of layers.
+    hybrid = make_mesh(MeshConfig(data=2, fsdp=4, tensor=1))
+    for group, axes in ((4, ("fsdp",)), (8, ("data", "fsdp"))):
+        params = abstract(dataclasses.replace(model, layer_group=group))
+        layout = make_plan(params, hybrid, "auto").layout
+        assert (layout.name, layout.owner_axes) == ("owner", axes)
 
 
 def test_the_default_run_chooses_the_layout_it_measured_fastest(tmp_path):
