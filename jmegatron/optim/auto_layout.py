@@ -155,11 +155,11 @@ class _Leaf(NamedTuple):
     @property
     def padding(self) -> float:
         """A stack dealt to its owners in whole rounds: padded slots over real layers."""
-        return -(-self.layers // self.owners) * self.owners / self.layers
+        return self.groups * self.owners / self.layers
 
     @property
     def groups(self) -> int:
-        """Owner: the groups of ``owners`` layers the stack is gathered in."""
+        """Rounds of ``owners`` layers (owner: the groups the stack is gathered in)."""
         return -(-self.layers // self.owners)
 
     @property
