@@ -8,17 +8,93 @@ own sources, on 8 virtual CPU devices when no accelerator is present. With
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import functools
 import shlex
+import signal
 import sys
+import threading
 from pathlib import Path
 
-import jax
-import tyro
+INTERRUPTED = ("error: interrupted while starting, before any step was trained: run the same "
+               "command again to start")
 
-from experiments.presets import PRESETS
-from jmegatron.train import TrainConfig
-from jmegatron.train.config import ConfigError
+
+class StartInterrupted(KeyboardInterrupt):
+    """SIGTERM or SIGINT (Ctrl-C) while the trainer starts (``StartSignals``)."""
+
+
+class StartSignals:
+    """SIGTERM and SIGINT until the training loop takes them over (its handler finishes
+    the step and saves): each raises StartInterrupted, so that a start ends with one
+    line and removes what it created (``Claim.release``) whichever signal ends it.
+    SIGTERM's default would end the process on the spot and leave the run's files,
+    which refuse the same command ('already holds a run').
+
+    Python cannot raise where it runs code on behalf of C: an exception raised in a gc
+    callback (jax's ``_xla_gc_callback`` runs at every collection, and importing and
+    tracing collect often), a ``__del__`` or a weakref callback is reported through
+    ``sys.unraisablehook`` and dropped. A Ctrl-C landing there was lost, and the run
+    trained to its end. ``arrived`` keeps the signal: ``check`` raises it where it
+    propagates, and the loop checks it once its own handler is in place."""
+
+    def __init__(self):
+        self.arrived: str | None = None
+
+    def record(self, signum, frame) -> None:
+        self.arrived = signal.Signals(signum).name
+
+    def __call__(self, signum, frame) -> None:
+        self.record(signum, frame)
+        raise StartInterrupted(self.arrived)
+
+    def check(self) -> None:
+        if self.arrived:
+            raise StartInterrupted(self.arrived)
+
+    @contextlib.contextmanager
+    def installed(self):
+        """Handles SIGTERM and SIGINT for the duration (main thread only)."""
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        _drop_lost_interrupts()
+        previous = {s: signal.signal(s, self) for s in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            yield
+        finally:
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+            self.arrived = None
+
+
+@functools.cache
+def _drop_lost_interrupts() -> None:
+    """A StartInterrupted that Python could not raise is reported once, as the start's
+    line, and not also as 'Exception ignored in ...' with a traceback."""
+    previous = sys.unraisablehook
+
+    def hook(unraisable):
+        if not isinstance(unraisable.exc_value, StartInterrupted):
+            previous(unraisable)
+
+    sys.unraisablehook = hook
+
+
+START = StartSignals()
+if __name__ == "__main__":
+    # The imports below take seconds: a signal is recorded until main() ends the start
+    # for it (an exception out of an import would print a traceback).
+    for s in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(s, START.record)
+
+import jax  # noqa: E402
+import tyro  # noqa: E402
+
+from experiments.presets import PRESETS  # noqa: E402
+from jmegatron.train import TrainConfig  # noqa: E402
+from jmegatron.train.config import ConfigError  # noqa: E402
 
 
 def parse(argv: list[str]) -> TrainConfig:
@@ -56,17 +132,22 @@ def resume_command(argv: list[str], run_dir: Path) -> str:
 
 def main(argv: list[str] | None = None) -> dict:
     argv = sys.argv[1:] if argv is None else argv
+    with START.installed():
+        try:
+            START.check()   # a signal during the imports
+            return _start(argv)
+        except KeyboardInterrupt:   # SIGTERM or Ctrl-C before the loop's own handler
+            sys.exit(INTERRUPTED)
+
+
+def _start(argv: list[str]) -> dict:
     try:
         cfg = parse(argv)
     except ConfigError as err:   # a value no setting accepts: one line, before anything runs
         sys.exit(f"error: {err}")
     # Before any JAX operation starts a backend (importing jax does not).
     jax.config.update("jax_num_cpu_devices", cfg.cpu_devices)
-    try:
-        return _run(cfg, argv)
-    except KeyboardInterrupt:   # Ctrl-C before the loop's own handler is installed
-        sys.exit("error: interrupted while starting, before any step was trained: run the "
-                 "same command again to start")
+    return _run(cfg, argv)
 
 
 def _run(cfg: TrainConfig, argv: list[str]) -> dict:
@@ -85,7 +166,8 @@ def _run(cfg: TrainConfig, argv: list[str]) -> dict:
         except (ValueError, ConfigError) as err:
             sys.exit(f"error: {err}")
         try:
-            summary = train(cfg, plan, resume_command(argv, plan.run_dir))
+            summary = train(cfg, plan, resume_command(argv, plan.run_dir),
+                            interrupted=lambda: START.arrived is not None)
         except (CheckpointError, TrainingError, HFError, RunFolderError,
                 ConfigError) as err:   # one line, no trace
             sys.exit(f"error: {err}")
@@ -94,5 +176,20 @@ def _run(cfg: TrainConfig, argv: list[str]) -> dict:
         return summary
 
 
+def _exit_interrupted() -> None:
+    """Ends an interrupted start without Python's teardown. Ctrl-C ends jaxlib's wait
+    for an XLA compile, not the compile, which goes on in XLA's thread pool; the
+    teardown then collects JAX's client and destroys it under that compile, which
+    crashes in C++ (exit 139, after the line; seen in 3 of 3 starts interrupted 2 to
+    4 s in). By now the start has removed its files; its line is all that is left."""
+    from jmegatron.train.distributed import fail_now
+    fail_now(INTERRUPTED)
+
+
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except SystemExit as stop:
+        if stop.code == INTERRUPTED:
+            _exit_interrupted()
+        raise

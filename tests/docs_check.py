@@ -300,3 +300,60 @@ def check_flags(path: Path, known: set[str]) -> list[str]:
         return flag in known or flag.endswith(".") and any(k.startswith(flag) for k in known)
     return [f"{read(path).name}:{n}: unknown flag {flag}" for n, flag in flag_uses(path)
             if not ok(flag)]
+
+
+# 5. Commands run.
+
+# Commands the suite cannot run on this machine's CPU, by a word they contain, and why.
+CANNOT_RUN = {
+    "--dist.": "several hosts (one process each; tests/test_multihost.py runs two on one machine)",
+    "--init-from": "a Hugging Face model folder the user downloads (tests/test_hf.py builds one)",
+    "gpt2-small": "an accelerator preset (124M parameters, 64 x 1024 tokens a step)",
+    "dense-1b": "an accelerator preset (0.89B parameters)",
+    "qwen3-moe-small": "an accelerator preset (0.70B parameters)",
+}
+# How a command's step counts shrink: every count to 2 (--steps to 4), and a checkpoint
+# the page names (checkpoints/N) to step 2, the one a capped run writes.
+CAPPED = {"--steps": "4", "--stop-after": "2", "--checkpoint.every": "2"}
+SHORT = ["--sample-tokens", "8", "--eval-batches", "1", "--no-progress"]
+
+
+def cannot_run(args: list[str]) -> str | None:
+    """Why the suite cannot run ``python -m experiments.train args``, or None."""
+    return next((why for word, why in CANNOT_RUN.items()
+                 if any(word in arg for arg in args)), None)
+
+
+def capped(args: list[str]) -> list[str]:
+    """``args`` with every step count capped (``CAPPED``); a run of the default 300
+    steps gets ``--steps 4``; no samples to speak of, one validation batch."""
+    out = [CAPPED.get(args[i - 1], arg) if i else arg for i, arg in enumerate(args)]
+    out = [re.sub(r"checkpoints/\d+", "checkpoints/2", arg) for arg in out]
+    return out + ([] if "--steps" in out else ["--steps", "4"]) + SHORT
+
+
+def train_commands(path: Path) -> list[tuple[int, list[str]]]:
+    """(line, args) of every ``python -m experiments.train`` the page's shell blocks
+    run, in order (not --help: the parse checks it)."""
+    page, out = read(path), []
+    for block in page.blocks:
+        if block.lang not in SHELL or not_run(block):
+            continue
+        for n, line in shell_lines(block):
+            out += [(n, args) for script, args in invocations(split(line))
+                    if script == "train" and "--help" not in args]
+    return out
+
+
+def run_commands(path: Path, main) -> list[str]:
+    """Runs the page's training commands in order in the current folder (their
+    ``runs/`` stays there), each capped (``capped``) by ``main(argv)``, which returns
+    the line a run exits with (None: trained). The ones ``CANNOT_RUN`` are skipped."""
+    errors = []
+    for n, args in train_commands(path):
+        if cannot_run(args):
+            continue
+        if (error := main(*capped(args))) is not None:
+            command = shlex.join(["python", "-m", "experiments.train", *args])
+            errors.append(f"{read(path).name}:{n}: {command}: {error}")
+    return errors

@@ -8,13 +8,14 @@ Nothing here compiles: the model reads abstract params.
 
 import dataclasses
 import itertools
+import re
 
 import jax
 import pytest
 from flax import nnx
 
 from experiments.bench_layouts import model_config as bench_model
-from experiments.presets import tiny
+from experiments.presets import qwen3_moe_tiny, tiny
 from experiments.project_scale import model_config as scale_model
 from jmegatron.models import GPT
 from jmegatron.optim import make_plan
@@ -159,7 +160,35 @@ def test_the_trainer_keeps_an_owner_group_it_is_given(tmp_path):
     fetched = dataclasses.replace(cfg, mesh=MeshConfig(data=2, fsdp=4, tensor=1), fit_mesh=False,
                                   model=dataclasses.replace(cfg.model, prefetch=True))
     line = plan_run(fetched).choice
-    assert line.count("owner") == line.count("+prefetch") == 2, line
+    ranked = line.split("; skipped ")[0]
+    assert ranked.count("owner") == ranked.count("+prefetch") == 2, line
+    for other in ("replicated", "layerwise", "fsdp"):   # prefetch is owner's option
+        assert (f"skipped {other}: --model.prefetch applies to --layout owner (or auto), "
+                f"not {other}") in line, line
+
+
+def test_auto_skips_what_a_layout_refuses_and_says_why(tmp_path):
+    """The MoE preset alternates dense and MoE layers, which owner cannot group (over
+    data+fsdp: its fsdp axis is 1, where owner groups nothing and runs them): auto
+    ranks the others and names what it skipped (``Layout.check``, the refusal
+    --layout owner gives). Where no layout can run the model, one line says why."""
+    cfg = dataclasses.replace(qwen3_moe_tiny(), out_dir=str(tmp_path))
+    plan = plan_run(cfg)
+    assert plan.layout.name != "owner"
+    owner_refusal = "the MoE layers alternate with dense ones (--model.moe.every 2)"
+    assert f"skipped owner over data+fsdp: the owner layout gathers" in plan.choice
+    assert owner_refusal in plan.choice and "\n" not in plan.choice
+    with pytest.raises(ValueError, match=re.escape(owner_refusal)):
+        plan_run(dataclasses.replace(cfg, layout="owner", owner_group="data+fsdp"))
+    staged = dataclasses.replace(cfg, mesh=MeshConfig(stage=2, data=2, fsdp=1, expert=2),
+                                 fit_mesh=False, microbatches=2)
+    with pytest.raises(ValueError, match=r"^pipeline stages run each kind of layer as one "
+                                         r"stack.*: set --model.moe.every 1"):
+        plan_run(staged)   # every layout refuses it alike: said once
+    wide = dataclasses.replace(tiny(), out_dir=str(tmp_path),
+                               mesh=MeshConfig(data=1, fsdp=2, tensor=4), fit_mesh=False)
+    with pytest.raises(ValueError, match=r"^kv_heads=2 is not divisible by tensor=4"):
+        plan_run(wide)
 
 
 def test_presets_by_device_kind():

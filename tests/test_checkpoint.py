@@ -197,6 +197,25 @@ def test_resume_is_exact(optim, tmp_path):
     assert losses(tmp_path / "straight") == losses(tmp_path / "halves")
 
 
+def test_a_muon_checkpoint_resumes_as_muon_bp_with_its_state(tmp_path):
+    """optimizers.md: MuonBP's state is Muon's, so --allow-change optim carries it over
+    (each state is keyed by its optimizer's name); SOAP's differs and is refused."""
+    small = dict(SMALL, sample_tokens=0)
+    muon = Trainer(TrainConfig(**dict(small, steps=2), out_dir=str(tmp_path), name="muon"))
+    muon.run()
+    resume = dict(small, steps=3, resume_from=str(tmp_path / "muon" / "checkpoints" / "2"),
+                  allow_change=("optim", "steps"), out_dir=str(tmp_path))
+    bp = Trainer(TrainConfig(**resume, optim="muon_bp", name="bp"))
+    assert bp.start_step == 2
+    for a, b in zip(jax.tree.leaves(muon.state.opt_state), jax.tree.leaves(bp.state.opt_state),
+                    strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert bp.run()["steps"] == 3
+    with pytest.raises(CheckpointError, match=r"has no leaf \.opt_state.*\['soap'\].*\(written "
+                                              r"by optimizer 'muon'"):
+        Trainer(TrainConfig(**resume, optim="soap", name="soap"))
+
+
 CLI = [sys.executable, "-m", "experiments.train", "--model.d-model", "32", "--model.n-layers",
        "2", "--model.n-heads", "2", "--model.n-kv-heads", "2", "--model.d-ff", "64",
        "--batch-size", "8", "--seq-len", "32", "--eval-every", "1000", "--log-every", "1",

@@ -7,13 +7,18 @@ Conventions for the pages:
 - the same marker above a ```bash block keeps its commands from being parsed;
 - ``python -m experiments.NAME ARGS`` in ```bash / ```sh blocks must parse;
 - every ``--flag`` in inline code or a shell block is an experiments script's option
-  or one of OTHER_TOOLS below.
+  or one of OTHER_TOOLS below;
+- every ``python -m experiments.train`` command of a shell block runs, in order, in a
+  temporary folder, its step counts capped (``docs_check.capped``); those that need
+  an accelerator, several hosts or a downloaded model are ``docs_check.CANNOT_RUN``.
 """
 
 import pytest
 
+import cli_runs
 import docs_check
 from docs_check import ROOT
+from jmegatron.train.loop import sharing_programs
 
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 by_name = pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
@@ -56,3 +61,11 @@ def test_links_resolve(page):
 @by_name
 def test_flags_exist(page, known_flags):
     check(docs_check.check_flags(page, known_flags))
+
+
+@by_name
+def test_training_commands_run(page, tmp_path, monkeypatch):
+    """Runs that differ only in steps, names and folders share their programs."""
+    monkeypatch.chdir(tmp_path)
+    with sharing_programs():
+        check(docs_check.run_commands(page, cli_runs.main))

@@ -5,6 +5,7 @@ logits, and export back after Muon steps with jmegatron's logits."""
 import copy
 import dataclasses
 import json
+import os
 import shutil
 
 import chex
@@ -22,7 +23,7 @@ from experiments import export_hf, prepare_data
 from experiments import train as train_cli
 from jmegatron.data import stdlib_files
 from jmegatron.data.tokenizer import HFTokenizer
-from jmegatron.models import cross_entropy, hf
+from jmegatron.models import GPT, GPTConfig, cross_entropy, hf
 from jmegatron.optim import muon, trainable_params
 from jmegatron.sharding import DEFAULT_RULES, MeshConfig, activation_sharding, logical_to_spec, make_mesh
 from jmegatron.sharding.layouts import make_layout
@@ -204,6 +205,21 @@ def test_a_broken_folder_stops_the_trainer_with_one_line(folders, tmp_path):
         train_cli.main([f"--init-from=hf:{folder}", "--steps=1", "--batch-size=8",
                         "--seq-len=16", f"--out-dir={tmp_path}", "--name=broken",
                         "--no-progress"])
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o027], ids=oct)
+def test_saved_files_get_the_mode_the_umask_gives(tmp_path, umask):
+    """safetensors writes through a temporary file of mode 0600: the weights get
+    0666 less the umask, as config.json and the index do."""
+    cfg = GPTConfig(vocab_size=32, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=32)
+    params = nnx.state(GPT(cfg.pad_vocab(1), nnx.Rngs(0)), nnx.Param)
+    old = os.umask(umask)
+    try:
+        out = hf.save(params, cfg, tmp_path / "out", max_shard_bytes=20_000)   # shards
+    finally:
+        os.umask(old)
+    modes = {p.name: oct(p.stat().st_mode & 0o777) for p in out.iterdir()}
+    assert len(modes) > 3 and set(modes.values()) == {oct(0o666 & ~umask)}, modes
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from jmegatron.optim import (COEFFICIENT_SETS, CoefficientSet, TensorParallel, coefficient_set,
-                             newton_schulz, ns_flops, tp_newton_schulz)
+                             muon, newton_schulz, ns_flops, tp_newton_schulz)
 from jmegatron.optim.kernels import syrk_flops
 from jmegatron.optim.newton_schulz import resolve_method
 from jmegatron.optim.tensor_parallel import _distributed_method
@@ -105,6 +105,19 @@ def test_coefficient_schedules_beyond_their_lists():
         coefficient_set("fast")
     with pytest.raises(ValueError, match=r"\(a, b, c\)"):
         coefficient_set([(1.0, 2.0)])
+
+
+@pytest.mark.parametrize("coefficients", [(np.nan, -4.775, 2.0315),
+                                          [(3.4445, -4.775, 2.0315), (1.5, np.inf, 0.0)],
+                                          np.array([[1.5, -0.5, -np.inf]])], ids=str)
+def test_non_finite_coefficients_are_refused_in_one_line(coefficients):
+    """A NaN or inf coefficient would make every update NaN from the first step."""
+    makers = (coefficient_set, lambda c: muon(1e-3, coefficients=c),
+              lambda c: CoefficientSet("mine", tuple(map(tuple, np.reshape(c, (-1, 3))))))
+    for make in makers:
+        with pytest.raises(ValueError, match="coefficients must be finite numbers, got ") as err:
+            make(coefficients)
+        assert "\n" not in str(err.value)
 
 
 @pytest.mark.parametrize("m, n, steps", [(64, 256, 5), (256, 64, 5), (96, 160, 7)])

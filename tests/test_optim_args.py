@@ -1,8 +1,10 @@
 """The optimizer factories refuse bad arguments when called, bad leaves and a foreign
 plan at init, each in one line naming what is wrong; good arguments still run."""
 
+import inspect
 import re
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -10,11 +12,13 @@ import optax
 import pytest
 from flax import nnx
 
+import jmegatron.optim
 from jmegatron.optim import (AdamW, adaptive_muon, descend, dion2, make_plan, mop, muon, muon_bp,
                              polar_factor, rekls, scale_by_adaptive_muon, scale_by_dion2,
                              scale_by_mop, scale_by_muon, scale_by_muon_bp, scale_by_rekls,
                              scale_by_soap, soap)
 from jmegatron.sharding import MeshConfig, make_mesh
+from jmegatron.train.registry import OPTIMIZERS as REGISTRY
 
 NAN, INF = float("nan"), float("inf")
 OPTIMIZERS = {"muon": muon, "muon_bp": muon_bp, "mop": mop, "adaptive_muon": adaptive_muon,
@@ -183,6 +187,44 @@ def test_traced_hyperparameters_pass_unchecked():
     state = jax.jit(tx.init)(params)
     updates, _ = jax.jit(tx.update)(params, state, params)
     assert bool(jnp.all(jnp.isfinite(updates["w"])))
+
+
+# The options that fix the program (integers, Dion2's fraction, which sets a shape):
+# optax.inject_hyperparams must be told they are static.
+STATIC = ("steps", "period", "precondition_frequency", "max_precond_dim", "fraction")
+
+
+@pytest.mark.parametrize("name", REGISTRY)
+def test_inject_hyperparams_with_static_options_equals_the_plain_factory(name):
+    """learning_rate, weight decay and the decays are injectable; the jitted update is the
+    plain factory's. max_precond_dim 4: a block preconditioned on both sides starts in
+    the eigenbases of its own first gradient, where REKLS's Adam divides round-off by
+    round-off (any change of rounding flips it); one side keeps the test well posed."""
+    factory = getattr(jmegatron.optim, name)
+    options = inspect.signature(factory).parameters
+    static = tuple(arg for arg in STATIC if arg in options)
+    kw = dict(learning_rate=1e-3, weight_decay=0.1,
+              **{"max_precond_dim": 4} if "max_precond_dim" in options else {})
+    params = {"w": jax.random.normal(jax.random.key(0), (4, 6)), "b": jnp.zeros(6)}
+    grads = {"w": jax.random.normal(jax.random.key(1), (4, 6)), "b": jnp.ones(6)}
+    injected = optax.inject_hyperparams(factory, static_args=static)(**kw)
+    got, _ = jax.jit(injected.update)(grads, injected.init(params), params)
+    plain = factory(**kw)
+    want, _ = plain.update(grads, plain.init(params), params)
+    chex.assert_trees_all_close(got, want, rtol=1e-5, atol=1e-8)
+
+
+@pytest.mark.parametrize("name, arg", [("muon_bp", "period"), ("soap", "precondition_frequency"),
+                                       ("rekls", "max_precond_dim"), ("dion2", "fraction"),
+                                       ("nordion2", "fraction"), ("muon", "steps")])
+def test_a_static_option_injected_as_an_array_is_refused_in_one_line(name, arg):
+    factory = getattr(jmegatron.optim, name)
+    others = tuple(a for a in STATIC if a != arg and a in inspect.signature(factory).parameters)
+    given = {"steps": 5} if arg == "steps" else {}   # None by default: not injected
+    tx = optax.inject_hyperparams(factory, static_args=others)(1e-3, **given)
+    for init, kind in ((tx.init, "a jax Array"), (jax.jit(tx.init), "a traced Array")):
+        refused(lambda: init(tiny()), f"{arg} must be a Python ", f"got {kind}: under "
+                "optax.inject_hyperparams, name it in static_args", f"static_args=({arg!r},)")
 
 
 def test_a_non_finite_gradient_poisons_the_block_as_documented():

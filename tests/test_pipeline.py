@@ -27,6 +27,7 @@ from jmegatron.sharding.pipeline import PipelineRunner, bubble
 from jmegatron.sharding.stacks import stack_of
 from jmegatron.train import (AdamWConfig, PipelineConfig, ScheduleConfig, TrainConfig, Trainer,
                              make_loss_fn, make_train_step)
+from jmegatron.train.checkpoint import leaf_codecs
 
 MODEL = GPTConfig(vocab_size=300, d_model=32, n_layers=4, n_heads=4, n_kv_heads=2,
                   d_ff=64).pad_vocab(2)
@@ -224,9 +225,11 @@ def test_moe_experts_exchange_within_each_stage():
     assert_only_activations_cross_stages(report, pipelines=2)
 
 
-def test_soap_layerwise_stages_step_like_one_device():
+def test_soap_layerwise_stages_step_like_one_device(tmp_path):
     """SOAP under layerwise x stages: three optimizer steps on the same gradients equal
-    one device's (MoE stacks place their state as dense ones do). (Trained end to end, SOAP under any sharding differs from one device
+    one device's (MoE stacks place their state as dense ones do), and the state's
+    checkpoint restores on one device (each stage's one layer dealt to 2 data owners:
+    the factors' stack axis follows the stages'). (Trained end to end, SOAP under any sharding differs from one device
     by up to 2e-2 after three steps, stages or not: its first eigenbases come from
     nearly degenerate factors, so the order of the gradient sum over ranks rotates
     them; docs/troubleshooting.md.)"""
@@ -239,11 +242,13 @@ def test_soap_layerwise_stages_step_like_one_device():
         grads = grads or [helpers.grads_of(params, i) for i in range(3)]
         for g in grads:
             params, opt_state = step(params, opt_state, live_like(g, params))
-        return ungroup(params), grads
+        state = state._replace(params=params, opt_state=opt_state)
+        return ungroup(params), grads, (state, leaf_codecs(state, optimizer.plan))
 
-    want, grads = steps(make_mesh(MeshConfig(fsdp=1), jax.devices()[:1]), "fsdp")
-    got, _ = steps(make_mesh(MeshConfig(stage=4, data=2, fsdp=1)), "layerwise", grads)
+    want, grads, one = steps(make_mesh(MeshConfig(fsdp=1), jax.devices()[:1]), "fsdp")
+    got, _, staged = steps(make_mesh(MeshConfig(stage=4, data=2, fsdp=1)), "layerwise", grads)
     chex.assert_trees_all_close(got, want, rtol=1e-5, atol=1e-7)
+    helpers.assert_restores(tmp_path, *staged, *one)
 
 
 def live_like(canonical, params):

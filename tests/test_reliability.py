@@ -11,7 +11,10 @@ import logging
 import re
 import shlex
 import shutil
+import signal
 import subprocess
+import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -26,6 +29,7 @@ from jmegatron.train import TrainConfig, Trainer, run_folder
 from jmegatron.train.checkpoint import (CheckpointConfig, CheckpointDamaged, Checkpointer,
                                         LeafCodec, abstract_of)
 from jmegatron.train.checksum import checksums_by_leaf, tree_checksums
+from jmegatron.train import loop
 from jmegatron.train.loop import perplexity
 from jmegatron.sharding import hlo_collectives
 
@@ -302,6 +306,70 @@ def test_the_perplexity_of_a_huge_loss_is_inf():
     assert np.isnan(perplexity(float("nan")))
 
 
+# --- signals while starting -----------------------------------------------------------------
+
+# The trainer's command, with the signal sent the moment its main thread waits in jaxlib for
+# the first compile (the train state's initializer, once the run folder is taken): the
+# signal ends the wait, and the compile goes on in XLA's threads.
+SIGNAL_WHILE_COMPILING = textwrap.dedent("""
+    import inspect, os, runpy, sys, threading, time
+    from jax._src import compiler
+    compiling = inspect.unwrap(compiler.backend_compile_and_load).__code__
+    main = threading.main_thread().ident
+
+    def send(signum):
+        while sys._current_frames()[main].f_code is not compiling:
+            time.sleep(0.001)
+        os.kill(os.getpid(), signum)
+
+    threading.Thread(target=send, args=(int(sys.argv.pop(1)),), daemon=True).start()
+    runpy.run_module("experiments.train", run_name="__main__", alter_sys=True)
+""")
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_signal_while_compiling_ends_the_start_with_one_line_and_no_files(signum, tmp_path):
+    """SIGTERM's default left the run's files (the same command then refused: 'already
+    holds a run'); SIGINT's exit crashed (139) in Python's teardown under the compile."""
+    proc = subprocess.run([sys.executable, "-c", SIGNAL_WHILE_COMPILING, str(int(signum)),
+                           *SMALL, "--steps", "2", "--out-dir", str(tmp_path), "--name", "run"],
+                          timeout=300, capture_output=True, text=True)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 1, out
+    assert [line for line in out.splitlines() if "error" in line.lower()] == [
+        train_cli.INTERRUPTED], out
+    assert "Traceback" not in out and list(tmp_path.iterdir()) == []
+
+
+@pytest.fixture
+def ctrl_c_in_a_gc_callback(monkeypatch):
+    """Ctrl-C while a collection runs its callbacks (jax's runs at every one), as the
+    trainer starts: Python drops the exception the handler raises there."""
+    make = loop.make_optimizer
+
+    def interrupted(*args, **kwargs):
+        callback = lambda phase, info: signal.raise_signal(signal.SIGINT)
+        gc.callbacks.append(callback)
+        try:
+            gc.collect()
+        finally:
+            gc.callbacks.remove(callback)
+        return make(*args, **kwargs)
+
+    monkeypatch.setattr(loop, "make_optimizer", interrupted)
+
+
+def test_ctrl_c_that_python_could_not_raise_still_ends_the_start(tmp_path, capfd,
+                                                                ctrl_c_in_a_gc_callback):
+    handler = signal.getsignal(signal.SIGINT)
+    error = main(*SMALL, "--steps", "2", "--out-dir", str(tmp_path), "--name", "run")
+    out = "".join(capfd.readouterr())
+    assert error == train_cli.INTERRUPTED, out   # not trained to its end
+    assert "Exception ignored" not in out and "Traceback" not in out, out
+    assert list(tmp_path.iterdir()) == []
+    assert signal.getsignal(signal.SIGINT) is handler   # main() restores the handlers
+
+
 # --- disks --------------------------------------------------------------------------------
 
 @contextlib.contextmanager
@@ -331,8 +399,12 @@ def test_an_unwritable_out_dir_is_refused_before_compiling(tmp_path):
 def test_prefetch_with_tensor_parallelism_is_refused_before_compiling(tmp_path):
     error = main(*SMALL, "--layout", "owner", "--mesh.fsdp", "4", "--mesh.data", "1",
                  "--model.prefetch", "--out-dir", str(tmp_path))
-    assert error == ("error: --model.prefetch needs --mesh.tensor 1 (got 2): it runs the "
-                     "owner groups manual over the batch axes")
+    assert error == ("error: --model.prefetch gathers each owner group from a map manual "
+                     "over the batch axes, so every other mesh axis must be 1: set "
+                     "--mesh.tensor 1 (got tensor=2), or drop --model.prefetch")
+    # The owner layout's options under another layout are refused, not ignored.
+    error = main(*SMALL, "--layout", "fsdp", "--model.keep-gathered", "--out-dir", str(tmp_path))
+    assert error == "error: --model.keep-gathered applies to --layout owner (or auto), not fsdp"
 
 
 def test_a_full_disk_stops_the_run_with_one_line_and_keeps_the_last_checkpoint(

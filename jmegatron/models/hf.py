@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from pathlib import Path
 
 import jax
@@ -384,12 +385,22 @@ def save(params: nnx.State | GPT, cfg: GPTConfig, path: str | Path,
     _refuse_stale_weights(out, names + [INDEX] * (len(shards) > 1))
     for name, shard in zip(names, shards):
         save_file(shard, out / name, metadata={"format": "pt"})
+        # safetensors writes a temporary file (mode 0600) and renames it: give the weights
+        # the mode of any new file, as config.json gets, so the umask decides who reads them.
+        (out / name).chmod(0o666 & ~_umask())
     if len(shards) > 1:
         index = {"metadata": {"total_size": sum(v.nbytes for v in tensors.values())},
                  "weight_map": {k: n for n, s in zip(names, shards) for k in s}}
         (out / INDEX).write_text(json.dumps(index, indent=2))
     (out / "config.json").write_text(json.dumps(hf, indent=2))
     return out
+
+
+def _umask() -> int:
+    """The process's umask (reading it means setting it; set back at once)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def _refuse_stale_weights(out: Path, writing: list[str]) -> None:

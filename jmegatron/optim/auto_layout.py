@@ -62,7 +62,8 @@ from jmegatron.optim.placement import place
 from jmegatron.optim.routing import MATRIX, MatrixFlops, Routing, leaf_routes, routed
 from jmegatron.sharding import rules as ax
 from jmegatron.sharding.cost_model import CommCost, Hardware, comm_cost, hardware, preset_for
-from jmegatron.sharding.layouts import LAYOUTS, Layout, make_layout, owner_group_axes
+from jmegatron.sharding.layouts import (LAYOUTS, Layout, layout_label, make_layout,
+                                        owner_group_axes)
 from jmegatron.sharding.mesh import BATCH_AXES
 
 MEMORY_SHARE = 0.8      # of the device's memory for params, gradients and state
@@ -91,10 +92,7 @@ class Candidate(NamedTuple):
 
     @property
     def label(self) -> str:
-        if self.layout != "owner":
-            return self.layout
-        return (self.layout + ("" if self.owner_group == "fsdp" else f" over {self.owner_group}")
-                + ("+prefetch" if self.prefetch else ""))
+        return layout_label(self.layout, self.owner_group, self.prefetch)
 
     def make(self, mesh_shape: Mapping[str, int], rules: ax.Rules = ax.DEFAULT_RULES) -> Layout:
         return make_layout(self.layout, mesh_shape, rules, owner_group=self.owner_group)

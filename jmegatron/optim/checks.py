@@ -10,6 +10,10 @@ inside JAX. What cannot be read at construction passes unchecked:
 - a traced value: ``optax.inject_hyperparams`` hands its hyperparameters to the
   factory as arrays, traced when its ``update`` runs under ``jit``.
 
+An option that fixes the program (an integer such as a step count or a period, a
+fraction that sets a shape) cannot be an array at all: ``static`` refuses one,
+saying to name it in ``inject_hyperparams``'s ``static_args``.
+
 ``matrix_leaf`` checks, at init, a leaf a matrix optimizer is given.
 """
 
@@ -52,6 +56,17 @@ def _real(name: str, value: Any, what: str, optional: bool) -> float | None:
     return float(array)
 
 
+def static(name: str, value: Any, what: str) -> None:
+    """Refuses a jax Array (traced or not) for an option the program is built from:
+    ``optax.inject_hyperparams`` makes every numeric argument one unless it is named
+    in ``static_args``. ``what``: what the option must be, e.g. "integer >= 1"."""
+    if isinstance(value, jax.Array):
+        kind = "a traced Array" if isinstance(value, jax.core.Tracer) else "a jax Array"
+        raise ValueError(f"{name} must be a Python {what}, got {kind}: under "
+                         "optax.inject_hyperparams, name it in static_args "
+                         f"(optax.inject_hyperparams(factory, static_args=({name!r},)))")
+
+
 def _number(name: str, value: Any, what: str, ok, optional: bool = False) -> None:
     """Refuses ``value`` unless it is None (when ``optional``), traced, or a finite
     real number ``x`` with ``ok(x)``."""
@@ -75,8 +90,11 @@ def fraction(name: str, value: Any, optional: bool = False) -> None:
     _number(name, value, "a number in [0, 1)", lambda x: 0 <= x < 1, optional)
 
 
-def share(name: str, value: Any) -> None:
-    """A part of a whole: a number in (0, 1]."""
+def share(name: str, value: Any, is_static: bool = False) -> None:
+    """A part of a whole: a number in (0, 1]; with ``is_static``, never an array (it
+    sets a shape)."""
+    if is_static:
+        static(name, value, "number in (0, 1]")
     _number(name, value, "a number in (0, 1]", lambda x: 0 < x <= 1)
 
 
@@ -91,9 +109,11 @@ def non_negative(name: str, value: Any) -> None:
 
 
 def integer(name: str, value: Any, low: int, optional: bool = False) -> None:
-    """A Python (or numpy) integer >= ``low``; a float such as 5.0 is refused."""
+    """A Python (or numpy) integer >= ``low``; a float such as 5.0 is refused, and so is
+    a jax Array (an integer fixes the program: ``static``)."""
     if value is None and optional:
         return
+    static(name, value, f"integer >= {low}")
     if (isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral)
             or value < low):
         _refuse(name, value, f"an integer >= {low}", optional)

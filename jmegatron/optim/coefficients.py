@@ -42,6 +42,13 @@ class CoefficientSet:
     default_steps: int = 5
     normalization: Literal["frobenius", "aol"] = "frobenius"
 
+    def __post_init__(self):
+        # A NaN or inf coefficient makes every update NaN (or inf) from the first step on.
+        bad = [step for step in self.steps if not np.all(np.isfinite(np.asarray(step, float)))]
+        if bad:
+            raise ValueError(f"coefficients must be finite numbers, got {bad[0]} in coefficient "
+                             f"set {self.name!r}")
+
     def schedule(self, n: int) -> list[Coefficients]:
         """The coefficients of ``n`` iterations."""
         if n < 1:
@@ -124,7 +131,7 @@ def coefficient_set(coefficients: str | Coefficients | Sequence[Coefficients] | 
       The set (user tuples as one named "custom", run with 5 default steps).
 
     Raises:
-      ValueError: an unknown name, or tuples that are not of 3 numbers.
+      ValueError: an unknown name, tuples that are not of 3 numbers, or a NaN or inf.
     """
     if isinstance(coefficients, CoefficientSet):
         return coefficients

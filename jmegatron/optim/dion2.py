@@ -547,7 +547,7 @@ def sharded_bytes(split: MatrixSplit | None, fan_in: int, fan_out: int, selectio
 
 def check_fraction(fraction) -> None:
     """``fraction`` must be a number in (0, 1] (it fixes a shape: never traced)."""
-    checks.share("fraction", fraction)
+    checks.share("fraction", fraction, is_static=True)
 
 
 def scale_by_dion2(*, fraction: float = 0.25, ef_decay: float = 0.95,

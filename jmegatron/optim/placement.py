@@ -71,8 +71,10 @@ class Placement:
         return P(*self.stack, None, None)
 
     def for_blocks(self) -> "Placement":
-        """This placement for per-matrix state, whose stack axis leads."""
-        return dataclasses.replace(self, param=self.blocks, state=self.blocks, stack_axis=0)
+        """This placement for per-matrix state [*stack, k, k], whose stacking axes lead:
+        the stack axis is the first of them, or the second after pipeline stages."""
+        return dataclasses.replace(self, param=self.blocks, state=self.blocks,
+                                   stack_axis=0 if self.leads else 1)
 
     def pad(self, x: jax.Array) -> jax.Array:
         """The stack as its owners hold it: unchanged where the n owners divide it,

@@ -49,7 +49,8 @@ from jax.sharding import PartitionSpec as P
 
 from jmegatron.sharding.pipeline import PipelineRunner
 from jmegatron.sharding.rules import (BATCH, DEFAULT_RULES, EMBED, EXPERTS, LAYER_GROUPS, LAYERS,
-                                     STAGES, Rules, logical_to_spec, mesh_axes_of, spec_axes,
+                                     STAGES, VOCAB, Rules, check_vocab_apart_from_batch,
+                                     indivisible, logical_to_spec, mesh_axes_of, spec_axes,
                                      split_size, with_rules)
 from jmegatron.sharding.runners import ScanRunner, ScatterRunner, StackRunner, default_runner
 
@@ -60,6 +61,20 @@ ASSIGNMENTS = ("round_robin", "balanced")
 # FSDP), or every batch rank but the experts' (``data+fsdp``: one group, as FSDP over
 # both axes).
 OWNER_GROUPS = ("fsdp", "data+fsdp")
+# The option that sets each logical axis a model splits (in a layout's refusals).
+MODEL_FLAGS = {"embed": "--model.d-model", "mlp": "--model.d-ff (or --model.moe.d-ff)",
+               "heads": "--model.n-heads", "kv_heads": "--model.n-kv-heads",
+               "head_dim": "--model.head-dim", "experts": "--model.moe.n-experts",
+               "layer_groups": "--model.n-layers", "layers": "--model.n-layers"}
+
+
+def layout_label(name: str, owner_group: str = "fsdp", prefetch: bool = False) -> str:
+    """A layout as the log, ``--layout auto``'s line and the benchmarks name it: owner
+    with its group as ``--owner-group`` spells it where that is not fsdp, and prefetch."""
+    if name != "owner":
+        return name
+    return (name + ("" if owner_group == "fsdp" else f" over {owner_group}")
+            + ("+prefetch" if prefetch else ""))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,6 +91,82 @@ class Layout:
     stages: int = 1                     # pipeline stages (the mesh axes ``stages`` maps to)
     repeats: int = 1                    # chunks per stage of a circular pipeline
     schedule: str = "gpipe"             # the pipeline's (sharding.pipeline.SCHEDULES)
+
+    def check(self, model, mesh_shape: Mapping[str, int], batch_size: int,
+              microbatches: int = 1) -> str | None:
+        """None if this layout can run ``model`` (a ``GPTConfig`` as the user set it:
+        not yet stacked for a layout, its ``prefetch`` and ``keep_gathered`` included)
+        on a mesh of ``mesh_shape`` with a global batch of ``batch_size`` in
+        ``microbatches``; else the one-line reason, naming the option to change. The
+        only place a layout refuses a run: the trainer raises it, and ``--layout
+        auto`` skips a candidate that has one."""
+        checks = (lambda: self._stacking_refusal(model, microbatches),
+                  lambda: self._options_refusal(model, mesh_shape),
+                  lambda: self._sharding_refusal(model, mesh_shape, batch_size, microbatches))
+        # In order, each only once the earlier ones pass (the last builds the stacked model).
+        return next((why for why in (c() for c in checks) if why), None)
+
+    def model_for(self, model, mesh_shape: Mapping[str, int]):
+        """``model`` as this layout runs it on a mesh of ``mesh_shape``: its vocabulary
+        padded for the vocab-parallel axes, its blocks stacked (``stack_fields``)."""
+        padded = model.pad_vocab(split_size(mesh_shape, self.rules, VOCAB))
+        return dataclasses.replace(padded, **self.stack_fields)
+
+    def _stacking_refusal(self, model, microbatches: int) -> str | None:
+        """What the layout's stacks of layers cannot hold: pipeline stages (or a schedule
+        without them) here, and the owner layout's groups."""
+        if self.stages == 1:
+            return (None if self.schedule == "gpipe" else
+                    f"--pipeline.schedule {self.schedule} needs pipeline stages: set "
+                    "--mesh.stage 2 or more (or leave --pipeline.schedule gpipe)")
+        if microbatches < self.stages:
+            return (f"--mesh.stage {self.stages} needs --microbatches >= {self.stages} "
+                    f"(got {microbatches}): every stage would idle")
+        if self.stages * self.repeats > model.n_layers:
+            repeats = f" x --pipeline.repeats {self.repeats}" * (self.repeats > 1)
+            return (f"--mesh.stage {self.stages}{repeats} makes {self.stages * self.repeats} "
+                    f"pipeline chunks for {model.n_layers} layers: use at most one chunk per "
+                    "layer (lower --mesh.stage or --pipeline.repeats, or raise "
+                    "--model.n-layers)")
+        if _alternating(model):
+            return (f"pipeline stages run each kind of layer as one stack, but the MoE layers "
+                    f"alternate with dense ones (--model.moe.every {model.moe.every}): set "
+                    "--model.moe.every 1 (or --mesh.stage 1)")
+        if self.schedule == "1f1b" and len(set(model.moe_layers)) > 1:
+            return (f"the 1f1b schedule runs one layer stack, but the first "
+                    f"{model.moe.first_dense} layers are dense and the rest MoE: set "
+                    "--model.moe.first-dense 0 (or --pipeline.schedule gpipe)")
+        return None
+
+    def _options_refusal(self, model, mesh_shape: Mapping[str, int]) -> str | None:
+        """The owner layout's options (``GPTConfig.prefetch``, ``keep_gathered``)
+        under a layout that has no use for them."""
+        given = [f"--model.{f.replace('_', '-')}" for f in ("prefetch", "keep_gathered")
+                 if getattr(model, f)]
+        return (f"{given[0]} applies to --layout owner (or auto), not {self.name}"
+                if given else None)
+
+    def _sharding_refusal(self, model, mesh_shape: Mapping[str, int], batch_size: int,
+                          microbatches: int) -> str | None:
+        """A dim of the stacked model, or of a microbatch, its mesh axes do not divide."""
+        rows = math.prod(mesh_shape.get(a, 1) for a in mesh_axes_of(BATCH, self.rules))
+        if (batch_size // microbatches) % rows:
+            each = f" in {microbatches} microbatches" if microbatches > 1 else ""
+            return (f"--batch-size {batch_size}{each} does not split over the {rows} batch "
+                    f"ranks ({_axes_named(mesh_shape, mesh_axes_of(BATCH, self.rules))}): "
+                    f"use a multiple of {rows * microbatches}")
+        found = indivisible(self.model_for(model, mesh_shape).logical_dims(), mesh_shape,
+                            self.rules)
+        if found:
+            logical, size, axes = found
+            flags = [f"--mesh.{a}" for a in axes] + [MODEL_FLAGS.get(logical, "the model")]
+            return (f"{logical}={size} is not divisible by {_axes_named(mesh_shape, axes)}: "
+                    f"change {' or '.join(flags)}")
+        try:
+            check_vocab_apart_from_batch(mesh_shape, self.rules)
+        except ValueError as err:
+            return str(err)
+        return None
 
     @property
     def owners(self) -> int:
@@ -149,6 +240,17 @@ class Layout:
         return False
 
 
+def _alternating(model) -> bool:
+    """Whether ``model``'s MoE layers alternate with dense ones (``moe.every`` > 1), so
+    that neither kind of layer is one run of layers (``GPTConfig``'s own rule)."""
+    return bool(model.moe.n_experts) and model.moe.every > 1
+
+
+def _axes_named(mesh_shape: Mapping[str, int], axes) -> str:
+    """``data=2 x fsdp=2``: the live ones of ``axes`` with their sizes."""
+    return " x ".join(f"{a}={mesh_shape[a]}" for a in axes if mesh_shape.get(a, 1) > 1) or "none"
+
+
 class Replicated(Layout):
     name = "replicated"
 
@@ -201,8 +303,10 @@ class Layerwise(Layout):
         return narrower and stack_owners > 1 and not dealt and self.stages == 1
 
 
+@dataclasses.dataclass(frozen=True)
 class Owner(Layout):
     name = "owner"
+    group: str = "fsdp"    # the owner group as --owner-group names it (OWNER_GROUPS)
 
     @property
     def layer_group(self) -> int:
@@ -210,7 +314,34 @@ class Owner(Layout):
 
     @property
     def label(self) -> str:
-        return f"{self.name} (owner group: {' x '.join(self.owner_axes) or 'none'})"
+        return layout_label(self.name, self.group)
+
+    def _stacking_refusal(self, model, microbatches: int) -> str | None:
+        if why := super()._stacking_refusal(model, microbatches):
+            return why
+        if self.layer_group > 1 and _alternating(model):
+            return (f"the owner layout gathers each group of {self.layer_group} layers whole, "
+                    f"but the MoE layers alternate with dense ones (--model.moe.every "
+                    f"{model.moe.every}): set --model.moe.every 1, or --layout layerwise, "
+                    "fsdp or replicated")
+        return None
+
+    def _options_refusal(self, model, mesh_shape: Mapping[str, int]) -> str | None:
+        """Prefetch issues each group's gather from a ``shard_map`` manual over the batch
+        axes (``rules.only_batch_axes_live``) and needs groups to gather."""
+        if not model.prefetch:
+            return None
+        batch = set(mesh_axes_of(BATCH, self.rules))
+        others = [a for a, n in mesh_shape.items() if n > 1 and a not in batch]
+        if others:
+            return (f"--model.prefetch gathers each owner group from a map manual over the "
+                    f"batch axes, so every other mesh axis must be 1: set "
+                    + " and ".join(f"--mesh.{a} 1" for a in others)
+                    + f" (got {_axes_named(mesh_shape, others)}), or drop --model.prefetch")
+        if self.layer_group == 1:
+            return ("--model.prefetch prefetches owner groups, but this mesh's owner group "
+                    f"({self.group}) has one rank: drop --model.prefetch")
+        return None
 
     def stage_runner(self, prefetch: bool, keep_gathered: bool) -> StackRunner:
         return default_runner(self.layer_group, prefetch, keep_gathered)
@@ -261,7 +392,7 @@ def make_layout(name: str, mesh_shape: Mapping[str, int], rules: Rules = DEFAULT
         zero3 = owner_group_axes(mesh_shape, rules)
         rules = with_rules(rules, **{EMBED: zero3 or None})
     return Owner(with_rules(rules, **{LAYERS: zero3 or None}), live(zero3), sizes(live(zero3)),
-                 stages=stages)
+                 stages=stages, group=owner_group)
 
 
 def owner_group_axes(mesh_shape: Mapping[str, int], rules: Rules = DEFAULT_RULES

@@ -161,13 +161,24 @@ def check_divisible(dims: Mapping[str, int], mesh_shape: Mapping[str, int],
 
     ``dims`` maps logical axis names to sizes, e.g. ``{'heads': 6, 'batch': 12}``.
     """
+    found = indivisible(dims, mesh_shape, rules)
+    if found:
+        logical, size, axes = found
+        split = " x ".join(f"{a}={mesh_shape[a]}" for a in axes)
+        parts = math.prod(mesh_shape[a] for a in axes)
+        raise ValueError(f"{logical}={size} is not divisible by {split}"
+                         f"{f' = {parts}' if len(axes) > 1 else ''}")
+
+
+def indivisible(dims: Mapping[str, int], mesh_shape: Mapping[str, int],
+                rules: Rules) -> tuple[str, int, list[str]] | None:
+    """The first (logical axis, size, live mesh axes) of ``dims`` whose mesh axes do
+    not divide it; None where all do."""
     for logical, size in dims.items():
         axes = [a for a in mesh_axes_of(logical, rules) if mesh_shape.get(a, 1) > 1]
-        parts = math.prod(mesh_shape[a] for a in axes)
-        if size % parts:
-            split = " x ".join(f"{a}={mesh_shape[a]}" for a in axes)
-            raise ValueError(f"{logical}={size} is not divisible by {split}"
-                             f"{f' = {parts}' if len(axes) > 1 else ''}")
+        if size % math.prod(mesh_shape[a] for a in axes):
+            return logical, size, axes
+    return None
 
 
 # --- activation sharding constraints ----------------------------------------

@@ -13,6 +13,8 @@ nothing that restores as whole. The meta item holds a checksum of every
 canonical leaf, computed on the devices from the arrays being written and
 compared whenever the checkpoint is read (restore, and the read-back after a
 save): a damaged file is found, and named, before its numbers reach training.
+A run whose optimizer changed (``--allow-change optim``) restores the saved
+optimizer state where only its label differs (``carried_over``).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import traceback
 from pathlib import Path
 
 import jax
+import optax
 import orbax.checkpoint as ocp
 
 from jmegatron.optim.codec import LeafCodec, canonical_sharding
@@ -172,13 +175,15 @@ class Checkpointer:
         canonical = jax.eval_shape(
             lambda s: jax.tree.map(lambda c, x: c.encode(x), codecs, s,
                                    is_leaf=is_codec), target)
-        self._check_leaves(step, meta, canonical)
+        labels = carried_over(canonical, meta)
+        self._check_leaves(step, meta, relabelled(canonical, labels))
         shardings = jax.tree.map(lambda c, t, x: canonical_sharding(t.sharding, c, x.shape),
                                  codecs, target, canonical, is_leaf=is_codec)
         abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                                 canonical, shardings)
-        loaded = self._load(step, abstract)
+        loaded = self._load(step, relabelled(abstract, labels))
         self._compare(step, loaded, meta["checksums"], "was saved as")
+        loaded = relabelled(loaded, {saved: now for now, saved in labels.items()})
         self.verified.add(step)
         decode = lambda s: jax.tree.map(
             lambda c, t, x: c.decode(x).astype(t.dtype), codecs, target, s,
@@ -223,8 +228,7 @@ class Checkpointer:
             raise CheckpointError(f"{self.directory / str(step)} has format "
                                   f"{meta.get('format')}, expected {FORMAT} (written by another "
                                   "version of jmegatron)")
-        want = {jax.tree_util.keystr(p): list(x.shape)
-                for p, x in jax.tree.leaves_with_path(canonical)}
+        want = _leaf_shapes(canonical)
         saved = meta["leaves"]
         for leaf, shape in want.items():
             if leaf not in saved:
@@ -246,6 +250,42 @@ class Checkpointer:
             self.manager.wait_until_finished()
         finally:
             self.manager.close()
+
+
+def _is_partition(x) -> bool:
+    return isinstance(x, optax.transforms.PartitionState)
+
+
+def relabelled(tree, labels: dict[str, str]):
+    """``tree`` with each ``optax.partition`` state's inner states renamed by ``labels``
+    (old label -> new label; the others as they are)."""
+    def rename(x):
+        if not _is_partition(x):
+            return x
+        return x._replace(inner_states={labels.get(k, k): v for k, v in x.inner_states.items()})
+    return jax.tree.map(rename, tree, is_leaf=_is_partition) if labels else tree
+
+
+def carried_over(canonical, meta: dict) -> dict[str, str]:
+    """{this run's label: the checkpoint's optimizer} where the run's optimizer differs
+    from the one that wrote the checkpoint (``--allow-change optim``) but its state has
+    the same leaves and shapes once relabelled (a matrix optimizer's state is keyed by
+    its name in an ``optax.partition``: Muon, MuonBP, MOP and Dion2 each keep a count
+    and a momentum per matrix); else {}."""
+    saved = meta.get("optim")
+    partitions = jax.tree.leaves(canonical, is_leaf=_is_partition)
+    labels = {k for x in partitions if _is_partition(x) for k in x.inner_states}
+    if saved is None or saved in labels:
+        return {}
+    for label in sorted(labels):
+        if _leaf_shapes(relabelled(canonical, {label: saved})) == meta.get("leaves"):
+            return {label: saved}
+    return {}
+
+
+def _leaf_shapes(tree) -> dict[str, list[int]]:
+    """Each leaf's path and shape, as the meta item records them."""
+    return {jax.tree_util.keystr(p): list(x.shape) for p, x in jax.tree.leaves_with_path(tree)}
 
 
 def abstract_of(tree):

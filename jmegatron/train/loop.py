@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import dataclasses
 import json
 import math
@@ -21,7 +22,7 @@ from tqdm import tqdm
 from jmegatron.data import Corpus, DataError, eval_batch, load_corpus, make_batch, unigram_entropy
 from jmegatron.data.tokenizer import load_tokenizer
 from jmegatron.data.batches import require_window
-from jmegatron.models import GPT, GPTConfig, hf, qk_clipper, validate_sharding
+from jmegatron.models import GPT, GPTConfig, hf, qk_clipper
 from jmegatron.sharding import MeshConfig, Rules, logical_to_spec, make_mesh
 from jmegatron.sharding.layouts import Layout, make_layout
 from jmegatron.sharding.pipeline import SCHEDULES, bubble, ticks
@@ -121,49 +122,48 @@ def layout_and_model(name: str, cfg: TrainConfig, mesh: MeshConfig,
                      owner_group: str | None = None, prefetch: bool | None = None
                      ) -> tuple[Layout, GPTConfig]:
     """The layout ``name`` on ``mesh`` and the model stacked for it; raises ValueError
-    where they do not fit the mesh or the batch. ``owner_group`` and ``prefetch``
-    (owner; None: ``cfg``'s) are what ``--layout auto`` chose."""
+    with the layout's one-line refusal (``Layout.check``) where it cannot run them.
+    ``owner_group`` and ``prefetch`` (owner; None: ``cfg``'s) are what ``--layout
+    auto`` chose."""
     layout = make_layout(name, mesh.sizes(), assignment=cfg.assignment,
                          repeats=cfg.pipeline.repeats, schedule=cfg.pipeline.schedule,
                          owner_group=owner_group or cfg.owner_group or "fsdp")
-    if layout.stages > 1 and cfg.microbatches < layout.stages:
-        raise ValueError(f"--mesh.stage {layout.stages} needs --microbatches >= "
-                         f"{layout.stages} (got {cfg.microbatches}): every stage would idle")
-    vocab_parts = ax.split_size(mesh.sizes(), layout.rules, ax.VOCAB)
-    model = dataclasses.replace(cfg.model.pad_vocab(vocab_parts), **layout.stack_fields,
-                                prefetch=cfg.model.prefetch if prefetch is None else prefetch)
-    validate_sharding(model.logical_dims(), mesh.sizes(), layout.rules, cfg.microbatch_size)
-    if model.prefetch and not ax.only_batch_axes_live(mesh.sizes(), layout.rules):
-        raise ValueError(f"--model.prefetch needs --mesh.tensor 1 (got {mesh.tensor}): it "
-                         "runs the owner groups manual over the batch axes")
-    return layout, model
+    model = cfg.model if prefetch is None else dataclasses.replace(cfg.model, prefetch=prefetch)
+    why = layout.check(model, mesh.sizes(), cfg.batch_size, cfg.microbatches)
+    if why:
+        raise ValueError(why)
+    return layout, layout.model_for(model, mesh.sizes())
 
 
 def choose_layout(cfg: TrainConfig, mesh: MeshConfig) -> tuple[Layout, GPTConfig, str]:
     """``--layout auto``: the layout (and owner's group and prefetch) with the shortest
-    modelled step (``optimizer.rank_layouts``) among those the mesh and batch allow,
-    its model, and a line that names it, the runner-up and the others with their
-    modelled times."""
+    modelled step (``optimizer.rank_layouts``) among those that can run ``cfg`` on
+    ``mesh`` (``Layout.check``), its model, and a line that names it, the runner-up,
+    the others with their modelled times, and those skipped and why. Raises
+    ValueError, in one line, where none can."""
     params = nnx.state(nnx.eval_shape(lambda: GPT(cfg.model, nnx.Rngs(0))))
     ranked, preset = rank_layouts(cfg, params, mesh.sizes(), jax.devices()[0])
-    refused = {}
+    feasible, skipped = [], {}
     for estimate in ranked:
         c = estimate.candidate
         try:
-            layout, model = layout_and_model(c.layout, cfg, mesh, c.owner_group,
-                                             c.prefetch if c.layout == "owner" else None)
+            feasible.append((estimate, *layout_and_model(
+                c.layout, cfg, mesh, c.owner_group, c.prefetch if c.layout == "owner" else None)))
         except ValueError as err:
-            refused[estimate.label] = str(err)
-            continue
-        others = [e for e in ranked if e is not estimate and e.label not in refused]
-        line = (f"layout auto: {estimate.describe()}"
-                + (f"; runner-up {others[0].describe()}" if others else "")
-                + "".join(f"; {e.label} {1e3 * e.seconds:,.1f} ms" for e in others[1:])
-                + "".join(f"; {name} refused: {why}" for name, why in refused.items())
-                + f" (modelled on {preset}: the optimizer and collectives of a step; "
-                  "docs/layouts.md, 'auto')")
-        return layout, model, line
-    raise ValueError(next(iter(refused.values())))
+            skipped[estimate.label] = str(err)
+    if not feasible:   # each reason once, with the layouts that give it
+        reasons = {why: [n for n, w in skipped.items() if w == why] for why in skipped.values()}
+        raise ValueError(next(iter(reasons)) if len(reasons) == 1 else
+                         "--layout auto: no layout can run this: " + "; ".join(
+                             f"{why} ({', '.join(names)})" for why, names in reasons.items()))
+    (best, layout, model), others = feasible[0], [e for e, *_ in feasible[1:]]
+    line = (f"layout auto: {best.describe()}"
+            + (f"; runner-up {others[0].describe()}" if others else "")
+            + "".join(f"; {e.label} {1e3 * e.seconds:,.1f} ms" for e in others[1:])
+            + "".join(f"; skipped {name}: {why}" for name, why in skipped.items())
+            + f" (modelled on {preset}: the optimizer and collectives of a step; "
+              "docs/layouts.md, 'auto')")
+    return layout, model, line
 
 
 class Programs(NamedTuple):
@@ -213,6 +213,35 @@ def build_programs(cfg: TrainConfig, plan: Plan) -> Programs:
                     make_sampler(graphdef, plan.model, mesh, plan.rules, cfg.top_k))
 
 
+_SHARED: contextvars.ContextVar[dict | None] = contextvars.ContextVar(
+    "jmegatron_shared_programs", default=None)
+
+
+@contextlib.contextmanager
+def sharing_programs():
+    """Within this context, Trainers whose settings differ only in ``UNCOMPILED`` ones
+    share their programs, each compiled once (a process that runs many commands: the
+    docs' commands in the tests). Off by default: a program built under a patched
+    function (a test's) must not serve a later run."""
+    token = _SHARED.set({})
+    try:
+        yield
+    finally:
+        _SHARED.reset(token)
+
+
+def shared_programs(cfg: TrainConfig, plan: Plan) -> Programs:
+    """The programs of ``cfg`` on ``plan``: built, or an earlier Trainer's with the same
+    ``programs_key`` inside ``sharing_programs``."""
+    shared = _SHARED.get()
+    if shared is None:
+        return build_programs(cfg, plan)
+    key = programs_key(cfg, plan)
+    if key not in shared:
+        shared[key] = build_programs(cfg, plan)
+    return shared[key]
+
+
 def differences(key: tuple, other: tuple) -> list[str]:
     """The settings in which two ``programs_key``s differ, by name."""
     cfg, *rest = key
@@ -258,7 +287,7 @@ class Trainer:
         self.rules = plan.rules
         key = programs_key(cfg, plan)
         if programs is None:
-            programs = build_programs(cfg, plan)
+            programs = shared_programs(cfg, plan)
         elif programs.key != key:
             raise ValueError("the programs given were built for other settings: " +
                              ", ".join(differences(programs.key, key)))
@@ -378,14 +407,18 @@ class Trainer:
                             c.seq_len, self.mesh, self.rules, c.seed + step,
                             self.corpus.tokenizer)
 
-    def run(self) -> dict:
-        """Trains up to ``cfg.steps`` steps and returns the summary."""
+    def run(self, interrupted: Callable[[], bool] = lambda: False) -> dict:
+        """Trains up to ``cfg.steps`` steps and returns the summary. ``interrupted``:
+        whether a signal came while starting that could not stop the start (the CLI's
+        ``StartSignals``); asked once the loop's own handler has taken over."""
         if self.start_step >= self.cfg.steps:
             return self._finished()
         run = None
         try:
             run = Run(self)
             with stop_on_signals() as stop:
+                if interrupted():   # a failed start: nothing is kept
+                    raise KeyboardInterrupt
                 summary = run.loop(stop)
         except BaseException as err:
             if run is not None:
@@ -495,7 +528,7 @@ class Run:
         if t.layout_choice:
             t.log(t.layout_choice)
         groups = t.optimizer.leaf_groups
-        prefetch = ", prefetch" if t.layout.layer_group > 1 and t.model_cfg.prefetch else ""
+        prefetch = "+prefetch" if t.model_cfg.prefetch else ""
         t.log(f"optimizer {t.cfg.optim}, layout {t.layout.label}{prefetch}: " + ", ".join(
             f"{groups.count(g)} leaves {g}" for g in sorted(set(groups))) +
             f" | {t.cfg.optim} matmuls {self.optimizer_flops / 1e9:.2f} GFLOP/step "
@@ -698,7 +731,8 @@ def stop_on_signals():
             signal.signal(s, h)
 
 
-def train(cfg: TrainConfig, plan: Plan | None = None, resume_command: str | None = None) -> dict:
+def train(cfg: TrainConfig, plan: Plan | None = None, resume_command: str | None = None,
+          interrupted: Callable[[], bool] = lambda: False) -> dict:
     """Runs one training and returns its summary (``resume_command``: what the stop
-    message tells the user to run to continue)."""
-    return Trainer(cfg, plan, resume_command=resume_command).run()
+    message tells the user to run to continue; ``interrupted``: ``Trainer.run``'s)."""
+    return Trainer(cfg, plan, resume_command=resume_command).run(interrupted)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import time
@@ -52,10 +53,17 @@ def read_metrics(run_dir: str | Path) -> list[dict]:
 def measure_matmul_rate(mesh: jax.sharding.Mesh, dtype: str = "float32", n: int | None = None,
                         repeats: int = 5) -> float:
     """FLOP/s of one large matmul per device, all devices at once: the local ceiling
-    against which MFU is quoted (not a vendor peak)."""
+    against which MFU is quoted (not a vendor peak). Measured once per process for
+    each set of devices and dtype (runs in one process share it)."""
     if n is None:
         n = 512 if mesh.devices.flat[0].platform == "cpu" else 8192
-    sharding = NamedSharding(mesh, P(mesh.axis_names))
+    return _matmul_rate(tuple(mesh.devices.flat), dtype, n, repeats)
+
+
+@functools.lru_cache
+def _matmul_rate(devices: tuple, dtype: str, n: int, repeats: int) -> float:
+    mesh = jax.sharding.Mesh(np.array(devices), ("devices",))
+    sharding = NamedSharding(mesh, P("devices"))
     # Born sharded (and b replicated) on every device: built on one device first, a
     # would be mesh.size * n * n elements there (8192^2 x 4 bytes x devices of all hosts).
     ones = lambda shape, where: jax.jit(lambda: jnp.ones(shape, dtype), out_shardings=where)()
