@@ -160,11 +160,8 @@ def test_the_trainer_keeps_an_owner_group_it_is_given(tmp_path):
     fetched = dataclasses.replace(cfg, mesh=MeshConfig(data=2, fsdp=4, tensor=1), fit_mesh=False,
                                   model=dataclasses.replace(cfg.model, prefetch=True))
     line = plan_run(fetched).choice
-    ranked = line.split("; skipped ")[0]
-    assert ranked.count("owner") == ranked.count("+prefetch") == 2, line
-    for other in ("replicated", "layerwise", "fsdp"):   # prefetch is owner's option
-        assert (f"skipped {other}: --model.prefetch applies to --layout owner (or auto), "
-                f"not {other}") in line, line
+    assert line.count("owner") == line.count("+prefetch") == 2, line
+    assert not re.search(r"(replicated|layerwise|; fsdp) ", line), line   # owner's option
 
 
 def test_auto_skips_what_a_layout_refuses_and_says_why(tmp_path):

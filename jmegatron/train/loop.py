@@ -143,6 +143,8 @@ def choose_layout(cfg: TrainConfig, mesh: MeshConfig) -> tuple[Layout, GPTConfig
     ValueError, in one line, where none can."""
     params = nnx.state(nnx.eval_shape(lambda: GPT(cfg.model, nnx.Rngs(0))))
     ranked, preset = rank_layouts(cfg, params, mesh.sizes(), jax.devices()[0])
+    if not ranked:   # owner's options given, where the mesh allows no owner candidate
+        layout_and_model("owner", cfg, mesh)   # raises owner's refusal
     feasible, skipped = [], {}
     for estimate in ranked:
         c = estimate.candidate
@@ -417,7 +419,7 @@ class Trainer:
         try:
             run = Run(self)
             with stop_on_signals() as stop:
-                if interrupted():   # a failed start: nothing is kept
+                if interrupted():   # a signal the start could not raise
                     raise KeyboardInterrupt
                 summary = run.loop(stop)
         except BaseException as err:

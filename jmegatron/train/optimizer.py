@@ -77,7 +77,8 @@ LATENCY_HIDING = "--xla_gpu_enable_latency_hiding_scheduler=true"
 def rank_layouts(cfg: TrainConfig, abstract_params, mesh_shape, device
                  ) -> tuple[list[LayoutEstimate], str]:
     """``--layout auto``'s comparison: the candidates the mesh and ``cfg`` allow (an
-    owner group or prefetch ``cfg`` fixes is kept; prefetch for dense models, under
+    owner group or prefetch ``cfg`` fixes is kept, and owner's options, given, keep it
+    to owner; prefetch for dense models, under
     XLA's latency-hiding scheduler), modelled (``optim.auto_layout.estimate``) for
     ``cfg``'s optimizer and batch on the preset of ``device``, shortest first; and
     the preset's name as the log states it."""
@@ -89,14 +90,17 @@ def rank_layouts(cfg: TrainConfig, abstract_params, mesh_shape, device
     tokens = cfg.batch_size * cfg.seq_len / cfg.microbatches / ranks
     hides = hardware(preset).overlaps and LATENCY_HIDING in os.environ.get("XLA_FLAGS", "")
     prefetch = not any(model.moe_layers) and (hides or model.prefetch)
-    kept = lambda c: ((cfg.owner_group in (None, c.owner_group))
-                      and (c.prefetch or not model.prefetch))
+    # Owner's options, given, keep auto to owner; a group or prefetch given is kept.
+    pinned = model.prefetch or model.keep_gathered
+    kept = lambda c: (c.layout == "owner" and (cfg.owner_group in (None, c.owner_group))
+                      and (c.prefetch or not model.prefetch)) or (c.layout != "owner"
+                                                                  and not pinned)
     ranked = estimate(abstract_params, mesh_shape, preset,
                       cost=entry.matrix_flops(cfg) if entry else None, routing=routing_of(cfg),
                       keep_gathered=model.keep_gathered,
                       state_bytes=STATE_BYTES if entry else (8, 8),
                       prefetch=prefetch, tokens=tokens if hides else 0.0)
-    return [e for e in ranked if e.layout != "owner" or kept(e.candidate)], label
+    return [e for e in ranked if kept(e.candidate)], label
 
 
 # Every --optim but adamw (``registry.OPTIMIZERS``).
