@@ -63,7 +63,15 @@ def test_flags_exist(page, known_flags):
     check(docs_check.check_flags(page, known_flags))
 
 
-@by_name
+# The README's commands run in every suite (its quickstart: the default run, the MoE
+# preset, a resume on another mesh and layout); the other pages' in the slow tier
+# (``-m slow``), as their ~20 distinct programs would double the suite's time.
+RUN_BY_DEFAULT = {"README.md"}
+
+
+@pytest.mark.parametrize("page", [
+    pytest.param(p, marks=() if p.name in RUN_BY_DEFAULT else pytest.mark.slow)
+    for p in PAGES], ids=lambda p: p.name)
 def test_training_commands_run(page, tmp_path, monkeypatch):
     """Runs that differ only in steps, names and folders share their programs."""
     monkeypatch.chdir(tmp_path)
