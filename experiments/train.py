@@ -17,6 +17,7 @@ import sys
 import threading
 from pathlib import Path
 
+SIGNALS = (signal.SIGTERM, signal.SIGINT)
 INTERRUPTED = ("error: interrupted while starting, before any step was trained: run the same "
                "command again to start")
 
@@ -27,17 +28,16 @@ class StartInterrupted(KeyboardInterrupt):
 
 class StartSignals:
     """SIGTERM and SIGINT until the training loop takes them over (its handler finishes
-    the step and saves): each raises StartInterrupted, so that a start ends with one
-    line and removes what it created (``Claim.release``) whichever signal ends it.
-    SIGTERM's default would end the process on the spot and leave the run's files,
-    which refuse the same command ('already holds a run').
+    the step and saves): each raises StartInterrupted, so that either ends a start with
+    one line and removes what it created (``Claim.release``). SIGTERM's default ended
+    the process on the spot and left the run's files: the same command was refused.
 
     Python cannot raise where it runs code on behalf of C: an exception raised in a gc
     callback (jax's ``_xla_gc_callback`` runs at every collection, and importing and
     tracing collect often), a ``__del__`` or a weakref callback is reported through
-    ``sys.unraisablehook`` and dropped. A Ctrl-C landing there was lost, and the run
-    trained to its end. ``arrived`` keeps the signal: ``check`` raises it where it
-    propagates, and the loop checks it once its own handler is in place."""
+    ``sys.unraisablehook`` and dropped, and a Ctrl-C landing there was lost (the run
+    trained to its end). ``arrived`` keeps the signal: ``check`` raises it where it
+    propagates, and the loop asks for it once its own handler is in place."""
 
     def __init__(self):
         self.arrived: str | None = None
@@ -60,7 +60,7 @@ class StartSignals:
             yield
             return
         _drop_lost_interrupts()
-        previous = {s: signal.signal(s, self) for s in (signal.SIGTERM, signal.SIGINT)}
+        previous = {s: signal.signal(s, self) for s in SIGNALS}
         try:
             yield
         finally:
@@ -86,8 +86,8 @@ START = StartSignals()
 if __name__ == "__main__":
     # The imports below take seconds: a signal is recorded until main() ends the start
     # for it (an exception out of an import would print a traceback).
-    for s in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(s, START.record)
+    for signum in SIGNALS:
+        signal.signal(signum, START.record)
 
 import jax  # noqa: E402
 import tyro  # noqa: E402
@@ -177,11 +177,11 @@ def _run(cfg: TrainConfig, argv: list[str]) -> dict:
 
 
 def _exit_interrupted() -> None:
-    """Ends an interrupted start without Python's teardown. Ctrl-C ends jaxlib's wait
+    """Ends an interrupted start without Python's teardown. A signal ends jaxlib's wait
     for an XLA compile, not the compile, which goes on in XLA's thread pool; the
     teardown then collects JAX's client and destroys it under that compile, which
-    crashes in C++ (exit 139, after the line; seen in 3 of 3 starts interrupted 2 to
-    4 s in). By now the start has removed its files; its line is all that is left."""
+    crashed in C++ after the line (exit 139). The start has removed its files by now:
+    its line is all that is left to do."""
     from jmegatron.train.distributed import fail_now
     fail_now(INTERRUPTED)
 

@@ -22,6 +22,39 @@ import jax  # noqa: E402
 jax.config.update("jax_num_cpu_devices", 8)
 
 
+import ast  # noqa: E402
+import functools  # noqa: E402
+import gc  # noqa: E402
+import sys  # noqa: E402
+
+
+def _without_collections(parse):
+    """``ast.parse`` that holds garbage collection off while it runs (see below)."""
+    @functools.wraps(parse)
+    def wrapped(*args, **kwargs):
+        enabled = gc.isenabled()
+        gc.disable()
+        try:
+            return parse(*args, **kwargs)
+        finally:
+            if enabled:
+                gc.enable()
+    return wrapped
+
+
+# CPython before 3.11.8 keeps the AST constructor's recursion depth in state that all
+# threads share (gh-106905). A collection inside ast.parse runs Python code (jax's gc
+# callback at every collection, finalizers), where the GIL can pass to another thread;
+# if that thread parses too (formatting a traceback does, and so do inspect.getsource
+# and inspect.signature), the first parse fails: "SystemError: AST constructor
+# recursion depth mismatch". tyro parses the config classes' module at every command
+# line it reads (inspect.getsource), and the tests leave orbax and TensorStore threads
+# behind: with a thread formatting tracebacks alongside, 7 of 100 parses of the
+# trainer's flags failed so. With no collection inside a parse no other thread runs there.
+if sys.version_info < (3, 11, 8):
+    ast.parse = _without_collections(ast.parse)
+
+
 import shutil  # noqa: E402
 from pathlib import Path  # noqa: E402
 

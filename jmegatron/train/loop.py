@@ -434,11 +434,11 @@ class Trainer:
             failed_save = None
             if jax.process_count() == 1:
                 try:
-                    self.checkpointer.close()
+                    self.checkpointer.wait()   # a failed background save: its SaveError
                 except SaveError as save_err:
                     failed_save = save_err
-                except Exception:
-                    pass
+                with contextlib.suppress(Exception):
+                    self.checkpointer.close()
             self.claim.release(started=run is not None and run.started)
             if _out_of_memory(err):
                 raise TrainingError(self._out_of_memory_line(err, run)) from None
