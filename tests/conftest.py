@@ -77,3 +77,62 @@ def run(trained, tmp_path) -> Path:
     copy = tmp_path / "runs" / "run"
     shutil.copytree(trained, copy)
     return copy
+
+
+# The quick tier (``python -m pytest -m quick``, under 3 minutes on 2 cores): for the
+# edit-test loop, a fast representative test of each module; one equality with one
+# device per layout, one float64 reference per optimizer, one CLI run, the docs'
+# parse. Names as pytest prints them after the module's "::". Every module has one
+# but test_optimizer_comparison, whose one test trains three optimizers (a minute).
+QUICK = {
+    "test_auto_layout.py": ["test_auto_skips_what_a_layout_refuses_and_says_why"],
+    "test_checkpoint.py": ["test_restore_onto_another_mesh_or_layout[fsdp_to_replicated]"],
+    "test_combinations.py": ["test_every_pair_of_values_is_in_some_run"],
+    "test_compute_model.py": ["test_wave_efficiency_by_hand"],
+    "test_data.py": ["test_user_corpora"],
+    "test_dion2.py": ["test_equals_the_reference_in_float64[muon_quintic]"],
+    "test_docs.py": ["test_commands_parse[README.md]", "test_links_resolve[README.md]"],
+    "test_docstrings.py": ["test_public_api_documents_every_argument"],
+    "test_family_layouts.py": [
+        "test_three_steps_equal_one_device_with_tensor_parallelism[muon_family-layerwise]"],
+    "test_gpt.py": ["test_param_count_matches_the_model"],
+    "test_hf.py": ["test_a_bfloat16_checkpoint_loads"],
+    "test_hlo.py": ["test_every_kind_is_found_with_its_axes"],
+    "test_import.py": ["test_the_quick_tier_names_a_test_of_every_module_that_exists"],
+    "test_inputs.py": ["test_export_replace_reads_the_checkpoint_before_deleting"],
+    "test_layouts.py": [f"test_three_steps_equal_one_device[tensor2-{name}]"
+                        for name in ("replicated", "layerwise", "fsdp", "owner")],
+    "test_loss.py": ["test_vocab_parallel_equals_dense[mesh_config2]"],
+    "test_mesh.py": ["test_minus_one_takes_the_rest"],
+    "test_moe.py": ["test_router_output_and_losses_equal_the_reference[option0]"],
+    "test_multihost.py": ["test_an_unreachable_coordinator_is_one_clear_error_in_bound"],
+    "test_muon.py": ["test_update_equations_by_hand"],
+    "test_muon_bp.py": ["test_three_steps_equal_the_float64_reference[fsdp8]"],
+    "test_muon_family.py": ["test_equals_its_equations_in_float64[mop_spectral_nesterov]"],
+    "test_newton_schulz.py": ["test_ns_flops_matches_xla_cost_analysis[64-256-5]"],
+    "test_nordion2.py": ["test_equals_the_reference_in_float64"],
+    "test_optax_baseline.py": ["test_first_step_matches_jmegatron_muon[shape-simple]"],
+    "test_optim_args.py": ["test_a_non_float_matrix_leaf_is_refused_at_init[int32-soap]"],
+    "test_pipeline.py": ["test_three_steps_equal_one_device[stage2_fsdp2_tensor2_owner]"],
+    "test_plan.py": ["test_user_chain_is_placed_stepped_and_checkpointed[multi_transform-fsdp]"],
+    "test_prefetch.py": ["test_prefetched_gradients_equal_one_device[4]"],
+    "test_products.py": ["test_the_weight_gradient_is_the_fp32_product[einsum]"],
+    "test_project_scale.py": ["test_pipeline_settings_selection"],
+    "test_qk_clip.py": ["test_the_gqa_rule_by_hand"],
+    "test_rekls.py": ["test_equals_the_equations_step_by_step[one-sided-wide]"],
+    "test_reliability.py": ["test_the_stop_message_gives_the_command_that_continues"],
+    "test_rules.py": ["test_check_divisible_names_the_numbers"],
+    "test_run_folder.py": ["test_run_names_stay_inside_the_out_dir[a/b]"],
+    "test_soap.py": ["test_equals_the_papers_algorithm_step_by_step[one-sided-tall]"],
+    "test_syrk.py": ["test_close_on_random_inputs[float32]"],
+    "test_tensor_parallel.py": ["test_vocab_parallel_embedding_is_one_all_reduce"],
+    "test_tensor_parallel_ns.py": ["test_blockwise_is_newton_schulz_of_each_block[out]"],
+    "test_train.py": ["test_cli_runs_three_steps_and_writes_every_output"],
+    "test_wire_dtype.py": ["test_layerwise_keeps_a_bf16_models_masters_on_their_owners[bfloat16]"],
+}
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if item.nodeid.split("::", 1)[-1] in QUICK.get(item.path.name, ()):
+            item.add_marker(pytest.mark.quick)

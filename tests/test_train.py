@@ -245,8 +245,10 @@ def test_a_registry_entry_is_all_a_new_optimizer_needs(monkeypatch, tmp_path):
     (["--data.path", "/no/such/corpus"], "'/no/such/corpus' does not exist"),
     (["--seq-len", "1000000"], "seq_len=1000000 needs at least 1000001 tokens"),
     (["--mesh.data", "1", "--mesh.fsdp", "1", "--mesh.tensor", "8"],
-     "heads=2 is not divisible by tensor=8"),
-    (["--batch-size", "4", "--microbatches", "2"], "batch=2 is not divisible by data=2 x fsdp=2"),
+     "heads=2 is not divisible by tensor=8: change --mesh.tensor or --model.n-heads"),
+    (["--batch-size", "4", "--microbatches", "2"],
+     "--batch-size 4 in 2 microbatches does not split over the 4 batch ranks (data=2 x "
+     "fsdp=2): use a multiple of 8"),
     (["--model.vocab-size", "100"], "model.vocab_size=100 is smaller than the corpus"),
     (["--top-k", "10000"], "--top-k 10000: must be at most the vocabulary (model.vocab_size=259)"),
 ])
