@@ -348,11 +348,13 @@ def train_commands(path: Path) -> list[tuple[int, list[str]]]:
 def run_commands(path: Path, main) -> list[str]:
     """Runs the page's training commands in order in the current folder (their
     ``runs/`` stays there), each capped (``capped``) by ``main(argv)``, which returns
-    the line a run exits with (None: trained). The ones ``CANNOT_RUN`` are skipped."""
-    errors = []
+    the line a run exits with (None: trained). The ones ``CANNOT_RUN`` are skipped, and a
+    command the page repeats runs once."""
+    errors, done = [], set()
     for n, args in train_commands(path):
-        if cannot_run(args):
+        if cannot_run(args) or tuple(args) in done:   # a command the page repeats: once
             continue
+        done.add(tuple(args))
         if (error := main(*capped(args))) is not None:
             command = shlex.join(["python", "-m", "experiments.train", *args])
             errors.append(f"{read(path).name}:{n}: {command}: {error}")

@@ -7,9 +7,12 @@ cores; at 20 steps Muon leads AdamW's 3.089 by 0.18 and SOAP by 0.13; at 40,
 both by 0.14).
 """
 
+import pytest
+
 from experiments.compare_optimizers import compare
 
 
+@pytest.mark.slow   # 45 to 73 s: three trainings, in the slow tier with the other long runs
 def test_muon_and_soap_reach_a_lower_validation_loss_than_adamw(tmp_path):
     adamw, muon, soap = compare(steps=20, out_dir=str(tmp_path), variants=("adamw", "muon", "soap"),
                                 seq_len=64, batch_size=16, eval_batches=2, sample_tokens=0)
