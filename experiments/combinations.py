@@ -3,7 +3,7 @@ reaches by flags, each of which must train with a finite loss or be refused in o
 line before anything compiles; their outcomes as a table for docs/combinations.md.
 
     python -m experiments.combinations --out docs/combinations.md   # planned (seconds)
-    python -m experiments.combinations --run    # each trained, 2 steps (about 10 minutes)
+    python -m experiments.combinations --run    # each trained, 2 steps (about 4 minutes)
 
 Every pair of values of two options occurs in at least one run (a greedy all-pairs
 cover, deterministic: the same runs every time), not the full product, which would
@@ -169,7 +169,7 @@ def page(runs: list[Run], outcomes: list[Outcome]) -> str:
 def parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--run", action="store_true",
-                        help="train each run (about 10 minutes); else plan each (seconds)")
+                        help="train each run (about 4 minutes); else plan each (seconds)")
     parser.add_argument("--out", help="write the outcomes' page here (docs/combinations.md)")
     parser.add_argument("--data", default="README.md", help="the corpus of every run")
     return parser

@@ -4,7 +4,7 @@ compiles; docs/combinations.md is their outcome.
 
 The default tier plans every run (the CLI's parse and ``plan_run``: what it refuses
 before compiling, in a few seconds for all of them); the slow tier
-(``python -m pytest -m slow tests/test_combinations.py``, about 10 minutes) trains
+(``python -m pytest -m slow tests/test_combinations.py``, 3 min 32 s on 2 cores) trains
 those the plan accepts, 2 steps each, and checks that each does.
 """
 
