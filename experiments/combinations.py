@@ -120,7 +120,7 @@ def plan_one(run: Run, out_dir: str, data: str) -> Outcome:
 def run_one(run: Run, out_dir: str, data: str) -> Outcome:
     """The CLI in this process on ``run``'s flags (corpus ``data``), with the compiles
     it started counted."""
-    from jax._src import monitoring
+    from jax import monitoring
     from experiments import train as train_cli
 
     compiles = []

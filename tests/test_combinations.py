@@ -19,7 +19,6 @@ from experiments.combinations import OPTIONS, all_pairs, page, plan_one, run_one
 
 RUNS = all_pairs()
 DOCS = Path(__file__).parent.parent / "docs" / "combinations.md"
-IDS = [f"run{i + 1}" for i in range(len(RUNS))]
 
 
 @pytest.fixture(scope="module")
@@ -50,10 +49,11 @@ def assert_refused_in_one_line(error: str) -> None:
     assert re.search(r"--[a-z]", error), ("a refusal names the option to change", error)
 
 
-@pytest.mark.parametrize("i", range(len(RUNS)), ids=IDS)
-def test_each_refusal_is_one_line_that_names_an_option(planned, i):
-    if planned[i].error is not None:
-        assert_refused_in_one_line(planned[i].error)
+def test_each_refusal_is_one_line_that_names_an_option(planned):
+    refusals = [o.error for o in planned if o.error is not None]
+    assert refusals   # the matrix reaches refusals (13 of 36 today)
+    for error in refusals:
+        assert_refused_in_one_line(error)
 
 
 def test_the_docs_table_is_what_the_plans_decide(planned):

@@ -90,11 +90,12 @@ def rank_layouts(cfg: TrainConfig, abstract_params, mesh_shape, device
     tokens = cfg.batch_size * cfg.seq_len / cfg.microbatches / ranks
     hides = hardware(preset).overlaps and LATENCY_HIDING in os.environ.get("XLA_FLAGS", "")
     prefetch = not any(model.moe_layers) and (hides or model.prefetch)
-    # Owner's options, given, keep auto to owner; a group or prefetch given is kept.
-    pinned = model.prefetch or model.keep_gathered
-    kept = lambda c: (c.layout == "owner" and (cfg.owner_group in (None, c.owner_group))
-                      and (c.prefetch or not model.prefetch)) or (c.layout != "owner"
-                                                                  and not pinned)
+
+    def kept(c) -> bool:   # owner's options, given, keep auto to owner, as they are given
+        if c.layout != "owner":
+            return not (model.prefetch or model.keep_gathered)
+        return cfg.owner_group in (None, c.owner_group) and (c.prefetch or not model.prefetch)
+
     ranked = estimate(abstract_params, mesh_shape, preset,
                       cost=entry.matrix_flops(cfg) if entry else None, routing=routing_of(cfg),
                       keep_gathered=model.keep_gathered,
