@@ -17,6 +17,19 @@ os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""),
                                     "--xla_cpu_collective_call_warn_stuck_timeout_seconds=120",
                                     ]).strip()
 
+# One compile cache for the whole run, empty at its start: the modules, the two test
+# processes and the CLI runs they start compile many of the same programs (a tiny GPT's
+# step under a layout), and each is compiled once per run, not once per module. Programs
+# that compile in under a second are not kept (JAX's default): reading one costs more.
+# Read back, an executable gives the same HLO text, memory and cost analysis.
+import tempfile  # noqa: E402
+
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:   # the first process; its children inherit
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = OWN_CACHE = tempfile.mkdtemp(
+        prefix="jmegatron-test-xla-cache-")
+else:
+    OWN_CACHE = None
+
 import jax  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
@@ -136,3 +149,8 @@ def pytest_collection_modifyitems(items):
     for item in items:
         if item.nodeid.split("::", 1)[-1] in QUICK.get(item.path.name, ()):
             item.add_marker(pytest.mark.quick)
+
+
+def pytest_unconfigure(config):
+    if OWN_CACHE:
+        shutil.rmtree(OWN_CACHE, ignore_errors=True)

@@ -328,13 +328,18 @@ SIGNAL_WHILE_COMPILING = textwrap.dedent("""
 """)
 
 
+# The run's own compile cache off (tests/conftest.py): read from it, the program would
+# not compile, and the signal would never be sent.
+COMPILING = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
+
+
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_a_signal_while_compiling_ends_the_start_with_one_line_and_no_files(signum, tmp_path):
     """SIGTERM's default left the run's files (the same command then refused: 'already
     holds a run'); SIGINT's exit crashed (139) in Python's teardown under the compile."""
     proc = subprocess.run([sys.executable, "-c", SIGNAL_WHILE_COMPILING, str(int(signum)),
                            *SMALL, "--steps", "2", "--out-dir", str(tmp_path), "--name", "run"],
-                          timeout=300, capture_output=True, text=True)
+                          timeout=300, capture_output=True, text=True, env=COMPILING)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 1, out
     assert [line for line in out.splitlines() if "error" in line.lower()] == [
