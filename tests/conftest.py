@@ -22,13 +22,13 @@ os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""),
 # step under a layout), and each is compiled once per run, not once per module. Programs
 # that compile in under a second are not kept (JAX's default): reading one costs more.
 # Read back, an executable gives the same HLO text, memory and cost analysis.
+import atexit  # noqa: E402
+import shutil  # noqa: E402
 import tempfile  # noqa: E402
 
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:   # the first process; its children inherit
-    os.environ["JAX_COMPILATION_CACHE_DIR"] = OWN_CACHE = tempfile.mkdtemp(
-        prefix="jmegatron-test-xla-cache-")
-else:
-    OWN_CACHE = None
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="jmegatron-test-xla-cache-")
+    atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
 
 import jax  # noqa: E402
 
@@ -68,7 +68,6 @@ if sys.version_info < (3, 11, 8):
     ast.parse = _without_collections(ast.parse)
 
 
-import shutil  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
@@ -149,8 +148,3 @@ def pytest_collection_modifyitems(items):
     for item in items:
         if item.nodeid.split("::", 1)[-1] in QUICK.get(item.path.name, ()):
             item.add_marker(pytest.mark.quick)
-
-
-def pytest_unconfigure(config):
-    if OWN_CACHE:
-        shutil.rmtree(OWN_CACHE, ignore_errors=True)

@@ -312,6 +312,37 @@ CANNOT_RUN = {
     "dense-1b": "an accelerator preset (0.89B parameters)",
     "qwen3-moe-small": "an accelerator preset (0.70B parameters)",
 }
+# The other scripts the pages show, by name or prefix, and why the suite does not run
+# their commands (it parses them: check_commands). A page that shows another script
+# must run it or say here why not.
+OTHER_SCRIPTS = {
+    "bench_": "a benchmark: minutes to an hour on 2 cores at the page's sizes, and the page's "
+              "table is its output; what it times is tested at small shapes",
+    "compare_optimizers": "a benchmark: trains the tiny preset 100-300 steps per optimizer "
+                          "(tests/test_optimizer_comparison.py, slow tier, trains 3)",
+    "project_scale": "projects clusters, compiling each setting's programs for 8 devices "
+                     "(tests/test_project_scale.py compiles a subset against the model)",
+    "qk_clip_demo": "trains the tiny preset twice at a high learning rate (5 min on 2 cores)",
+    "prepare_data": "reads the user's files with a downloaded Hugging Face tokenizer "
+                    "(tests/test_hf.py and tests/test_data.py run it on built ones)",
+    "export_hf": "exports huggingface.md's run, which starts from a downloaded model "
+                 "(tests/test_hf.py exports trained runs into transformers)",
+}
+
+
+def unlisted_scripts(path: Path) -> list[str]:
+    """The page's commands of scripts neither run (train) nor in ``OTHER_SCRIPTS``."""
+    page, errors = read(path), []
+    for block in page.blocks:
+        if block.lang in SHELL and not not_run(block):
+            errors += [f"{page.name}:{n}: experiments.{script} is neither run by the suite "
+                       "nor in docs_check.OTHER_SCRIPTS"
+                       for n, line in shell_lines(block) for script, _ in invocations(split(line))
+                       if script != "train"
+                       and not any(script.startswith(name) for name in OTHER_SCRIPTS)]
+    return errors
+
+
 # How a command's step counts shrink: every count to 2 (--steps to 4), and a checkpoint
 # the page names (checkpoints/N) to step 2, the one a capped run writes.
 CAPPED = {"--steps": "4", "--stop-after": "2", "--checkpoint.every": "2"}

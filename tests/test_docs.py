@@ -10,7 +10,9 @@ Conventions for the pages:
   or one of OTHER_TOOLS below;
 - every ``python -m experiments.train`` command of a shell block runs, in order, in a
   temporary folder, its step counts capped (``docs_check.capped``); those that need
-  an accelerator, several hosts or a downloaded model are ``docs_check.CANNOT_RUN``.
+  an accelerator, several hosts or a downloaded model are ``docs_check.CANNOT_RUN``;
+- other scripts' commands (benchmarks, projections, conversions) are parsed, and why
+  they are not run is ``docs_check.OTHER_SCRIPTS``.
 """
 
 import pytest
@@ -61,6 +63,11 @@ def test_links_resolve(page):
 @by_name
 def test_flags_exist(page, known_flags):
     check(docs_check.check_flags(page, known_flags))
+
+
+@by_name
+def test_commands_the_suite_does_not_run_say_why(page):
+    check(docs_check.unlisted_scripts(page))
 
 
 # The README's commands run in every suite (its quickstart: the default run, the MoE
