@@ -4,25 +4,29 @@ import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")   # see experiments/__init__.py
-# Test programs are small: compiling dominates, and LLVM's optimization passes cost
-# more than they save (test_layouts: 93 s instead of about 170 s on 2 cores). It sets
-# LLVM's level only: every HLO, collective and memory check passes unchanged.
+# Test programs are small: compiling dominates (three quarters of a module's time), and
+# LLVM's optimization passes cost more than they save (test_layouts: 93 s instead of
+# about 170 s on 2 cores, 2026-11). So do XLA:CPU's MLIR fusion emitters: its older
+# LLVM IR emitters compile the same fused HLO in two thirds of the time (a pipelined
+# MoE train step: 5.8 s instead of 8.4; test_layouts 125 s instead of 170, 2026-12-07).
+# Both set code generation only: every HLO, collective and memory check is unchanged.
 # A collective waits for every device thread of its program. With two test processes
 # on 2 cores (pytest.ini_options: -n 2) a thread can lag past XLA:CPU's 40 s before it
 # calls the collective, which aborts the process: the tests wait 5 min instead (a
 # deadlock, collectives started in different orders, still ends the process).
 os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""),
                                     "--xla_backend_optimization_level=0",
+                                    "--xla_cpu_use_fusion_emitters=false",
                                     "--xla_cpu_collective_call_terminate_timeout_seconds=300",
                                     "--xla_cpu_collective_call_warn_stuck_timeout_seconds=120",
                                     ]).strip()
 
 # One compile cache for the whole run, empty at its start: the modules, the two test
 # processes and the CLI runs they start compile many of the same programs (a tiny GPT's
-# step under a layout, a state's initializer), and each is compiled once per run, not
-# once per module. Kept from 0.1 s (JAX's default, 1 s, would miss the initializers,
-# 0.5-0.7 s each); reading one back takes about 30 ms. Read back, an executable gives
-# the same HLO text, memory and cost analysis.
+# step under a layout), and each is compiled once per run, not once per module (1.5 min
+# of the suite's 40 min of CPU). Programs that compile in under a second are not kept
+# (JAX's default; keeping those from 0.1 s cost more CPU than it saved). Read back, an
+# executable gives the same HLO text, memory and cost analysis.
 import atexit  # noqa: E402
 import shutil  # noqa: E402
 import tempfile  # noqa: E402
@@ -30,16 +34,23 @@ import tempfile  # noqa: E402
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:   # the first process; its children inherit
     os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="jmegatron-test-xla-cache-")
     atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
-os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.1")
 
 import jax  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
 
+import gc  # noqa: E402
+
+# Tracing and lowering allocate millions of short-lived Python objects: at Python's
+# default thresholds a tenth of a module's time went to collections that free few of
+# them (test_layouts: 110 s instead of 125). What is loaded by now is never collected
+# (gc.freeze), and a collection waits for 20,000 new objects, not 700.
+gc.freeze()
+gc.set_threshold(20_000, 50, 50)
+
 
 import ast  # noqa: E402
 import functools  # noqa: E402
-import gc  # noqa: E402
 import sys  # noqa: E402
 
 
