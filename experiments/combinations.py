@@ -5,21 +5,24 @@ line before anything compiles; their outcomes as a table for docs/combinations.m
     python -m experiments.combinations --out docs/combinations.md   # planned (seconds)
     python -m experiments.combinations --run    # each trained, 2 steps (about 4 minutes)
 
-Every pair of values of two options occurs in at least one run (a greedy all-pairs
-cover, deterministic: the same runs every time), not the full product, which would
-be thousands of runs. Each prints the pairs it is the first to cover.
-``tests/test_combinations.py`` plans them all and checks that the page equals
-docs/combinations.md; its slow tier trains them.
+A pair of values of two options counts as covered once a run holding it trains (a
+greedy all-pairs cover that asks the CLI's planner, deterministic: the same runs every
+time), not the full product, which would be thousands of runs. A pair whose first try
+is refused is tried again with each other option changed in turn; a pair that still
+trains nowhere is listed with its refusal. Each run prints the pairs it is the first to
+train. ``tests/test_combinations.py`` checks the cover and that the page equals
+docs/combinations.md; its slow tier trains every run.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import math
 import tempfile
 from pathlib import Path
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 # Each option's values, each value the flags that select it (the sizes are below).
 STAGED = ["--mesh.stage", "2", "--microbatches", "2", "--pipeline.schedule"]
@@ -39,7 +42,8 @@ OPTIONS: dict[str, dict[str, list[str]]] = {
     "dtype": {"fp32": [], "bf16": ["--model.dtype", "bfloat16"]},
     "qk-clip": {"off": [], "on": ["--qk-clip", "50"]},
     "remat": {"off": [], "on": ["--model.remat", "full"]},
-    "prefetch": {"off": [], "on": ["--model.prefetch"]},
+    # prefetch gathers from a map manual over the batch axes only: tiny's tensor 2 off
+    "prefetch": {"off": [], "on": ["--model.prefetch", "--mesh.tensor", "1"]},
 }
 # Tiny sizes for every run (the presets' meshes and layer counts stay): 2 steps, no
 # samples, one validation batch.
@@ -49,44 +53,74 @@ SIZES = ["--model.d-model", "32", "--model.n-heads", "2", "--model.n-kv-heads", 
          "--sample-tokens", "0", "--no-progress", "--log-every", "1"]
 
 
+Pair = tuple[tuple[str, str], tuple[str, str]]
+
+
 class Run(NamedTuple):
-    """One combination: a value of every option, and the pairs it is the first to cover."""
+    """One combination: a value of every option, and the pairs it is the first to train
+    (none for a refused one, kept for the page: what does not combine, and why)."""
 
     values: dict[str, str]
-    covers: tuple[tuple[tuple[str, str], tuple[str, str]], ...]
+    covers: tuple[Pair, ...]
 
     def flags(self) -> list[str]:
-        return [f for name, value in self.values.items() for f in OPTIONS[name][value]] + SIZES
+        return flags_of(self.values)
 
     def name(self) -> str:
         return ", ".join(f"{k}={v}" for k, v in self.values.items())
 
 
-def _pairs(row: dict[str, str]) -> set:
+def flags_of(values: dict[str, str]) -> list[str]:
+    return [f for name, value in values.items() for f in OPTIONS[name][value]] + SIZES
+
+
+def _pairs(row: dict[str, str]) -> set[Pair]:
     return set(itertools.combinations(sorted(row.items()), 2))
 
 
-def all_pairs(options: dict[str, dict] = OPTIONS) -> list[Run]:
-    """A greedy all-pairs cover (AETG's idea, deterministic): each run starts from the
-    first pair no run covers yet, then takes, option by option, the value that covers
-    the most uncovered pairs with the values already taken (the first on a tie)."""
-    names = list(options)
-    todo = {pair for a, b in itertools.combinations(sorted(names), 2)
+def every_pair(options: dict[str, dict] = OPTIONS) -> set[Pair]:
+    return {pair for a, b in itertools.combinations(sorted(options), 2)
             for pair in itertools.product(((a, v) for v in options[a]),
                                           ((b, v) for v in options[b]))}
-    runs = []
+
+
+def all_pairs(refusal: Callable[[dict[str, str]], str | None],
+              options: dict[str, dict] = OPTIONS) -> tuple[list[Run], dict[Pair, str]]:
+    """A greedy all-pairs cover (AETG's idea, deterministic) by runs that train: each
+    run starts from the first pair no run trains yet, then takes, option by option, the
+    value that covers the most such pairs with the values already taken (the first on a
+    tie) among those that train with the options not yet taken at their first values
+    (off, none, fp32: ``refusal(values)`` is None where values train, else the line
+    that refuses them). A pair refused with the others at their first values, and with
+    any one of them changed, is kept as a refused run and in the second result,
+    {pair: its refusal}."""
+    todo, runs, never = every_pair(options), [], {}
     while todo:
-        (a, va), (b, vb) = min(todo)
-        row = {a: va, b: vb}
-        for name in names:
-            if name not in row:
-                row[name] = max(options[name], key=lambda v: len(
-                    _pairs({**row, name: v}) & todo))
-        row = {name: row[name] for name in names}
+        seed = min(todo)
+        start = {**{name: next(iter(values)) for name, values in options.items()}, **dict(seed)}
+        tries = [start] + [{**start, name: v} for name in options if name not in dict(seed)
+                           for v in options[name] if v != start[name]]
+        row = next((dict(seed, **_greedy(r, dict(seed), todo, options, refusal))
+                    for r in tries if refusal(r) is None), None)
+        if row is None:
+            todo.discard(seed)
+            never[seed] = refusal(start)
+            runs.append(Run(start, ()))
+            continue
+        row = {name: row[name] for name in options}
         covered = _pairs(row) & todo
         todo -= covered
         runs.append(Run(row, tuple(sorted(covered))))
-    return runs
+    return runs, never
+
+
+def _greedy(start, row, todo, options, refusal) -> dict[str, str]:
+    """``row`` completed option by option from ``start`` (values that train)."""
+    for name in options:
+        if name not in row:
+            ranked = sorted(options[name], key=lambda v: -len(_pairs({**row, name: v}) & todo))
+            row[name] = next(v for v in ranked if refusal({**start, **row, name: v}) is None)
+    return row
 
 
 class Outcome(NamedTuple):
@@ -104,17 +138,23 @@ class Outcome(NamedTuple):
         return "trains" if self.error is None else "refused: " + self.error.removeprefix("error: ")
 
 
-def plan_one(run: Run, out_dir: str, data: str) -> Outcome:
-    """What the CLI decides on ``run``'s flags before it compiles anything (its parse
-    and ``plan_run``): refused, or no error (the run would be built and trained)."""
+def planner(out_dir: str, data: str) -> Callable[[dict[str, str]], str | None]:
+    """``refusal(values)``: what the CLI decides on those values' flags (corpus ``data``)
+    before it compiles anything (its parse and ``plan_run``): None (the run would be
+    built and trained), or the line it is refused with. Each row is planned once."""
     from experiments.train import parse
     from jmegatron.train import plan_run
     from jmegatron.train.config import ConfigError
-    try:
-        plan_run(parse(run.flags() + ["--out-dir", out_dir, "--data.path", data]))
-    except (ValueError, ConfigError) as err:   # as experiments.train reports them
-        return Outcome(error=f"error: {err}")
-    return Outcome()
+
+    @functools.cache
+    def decide(row: tuple[tuple[str, str], ...]) -> str | None:
+        try:
+            plan_run(parse(flags_of(dict(row)) + ["--out-dir", out_dir, "--data.path", data]))
+        except (ValueError, ConfigError) as err:   # as experiments.train reports them
+            return f"error: {err}"
+        return None
+
+    return lambda values: decide(tuple(values.items()))
 
 
 def run_one(run: Run, out_dir: str, data: str) -> Outcome:
@@ -150,7 +190,7 @@ def table(runs: list[Run], outcomes: list[Outcome]) -> str:
     return "\n".join(lines)
 
 
-def page(runs: list[Run], outcomes: list[Outcome]) -> str:
+def page(runs: list[Run], outcomes: list[Outcome], never: dict[Pair, str]) -> str:
     trained = sum(out.says() == "trains" for out in outcomes)
     full = math.prod(len(v) for v in OPTIONS.values())
     return (f"# What combines\n\nGenerated by `python -m experiments.combinations --out "
@@ -158,12 +198,22 @@ def page(runs: list[Run], outcomes: list[Outcome]) -> str:
             f"runs and checks this page, and its slow tier (`python -m pytest -m slow "
             f"tests/test_combinations.py`) trains them. Each run is 2 steps of a tiny model (the "
             f"preset's mesh and layer count, `{' '.join(SIZES[:12])}`) on 8 CPU devices. "
-            f"Together they hold every pair of values of two options (all-pairs, not the "
-            f"{full:,} runs of the full product). A run trains with a finite loss, or is "
-            f"refused in one line, naming the option to change, before anything compiles; "
-            f"{trained} of {len(runs)} train.\n\nThe schedules run on `--mesh.stage 2 "
+            f"Every pair of values of two options trains together in one of them (all-pairs, "
+            f"not the {full:,} runs of the full product), but the {len(never)} pairs listed "
+            f"below, which no run trains. A run trains with a finite loss, or is refused in "
+            f"one line, naming the option to change, before anything compiles; {trained} of "
+            f"{len(runs)} train, and each refused run is one of those pairs with the other "
+            f"options at their first values (adamw, auto, tiny, none, fp32, off).\n\n"
+            f"The schedules run on `--mesh.stage 2 "
             f"--microbatches 2` (circular with `--pipeline.repeats 2`); qk-clip is "
-            f"`--qk-clip 50`, remat `--model.remat full`.\n\n" + table(runs, outcomes) + "\n")
+            f"`--qk-clip 50`, remat `--model.remat full`, prefetch `--model.prefetch "
+            f"--mesh.tensor 1` (its gathers are manual over the batch axes only).\n\n"
+            + table(runs, outcomes) + "\n\n## Pairs no run trains\n\nEach refused with "
+            "the other options at their first values, and with any one of them changed."
+            "\n\n| value | with | refused |\n|---|---|---|\n"
+            + "".join(f"| {a[0]}={a[1]} | {b[0]}={b[1]} | "
+                      + why.removeprefix("error: ").replace("|", "\\|") + " |\n"
+                      for (a, b), why in sorted(never.items())))
 
 
 def parser() -> argparse.ArgumentParser:
@@ -179,17 +229,18 @@ def main(argv=None) -> None:
     args = parser().parse_args(argv)
     import jax
     jax.config.update("jax_num_cpu_devices", 8)   # the trainer's default, before JAX starts
-    runs = all_pairs()
-    for i, run in enumerate(runs, 1):
-        print(f"{i:3d} {run.name()}\n    covers {len(run.covers)} new pairs: "
-              + "; ".join(f"{a[0]}={a[1]} x {b[0]}={b[1]}" for a, b in run.covers))
     with tempfile.TemporaryDirectory() as out_dir:
-        outcomes = [(run_one if args.run else plan_one)(run, out_dir, args.data)
-                    for run in runs]
+        refusal = planner(out_dir, args.data)
+        runs, never = all_pairs(refusal)
+        for i, run in enumerate(runs, 1):
+            print(f"{i:3d} {run.name()}\n    trains {len(run.covers)} new pairs: "
+                  + "; ".join(f"{a[0]}={a[1]} x {b[0]}={b[1]}" for a, b in run.covers))
+        outcomes = [run_one(run, out_dir, args.data) if args.run
+                    else Outcome(error=refusal(run.values)) for run in runs]
     for i, out in enumerate(outcomes, 1):
         print(f"{i:3d} {out.says()}")
     if args.out:
-        Path(args.out).write_text(page(runs, outcomes))
+        Path(args.out).write_text(page(runs, outcomes, never))
 
 
 if __name__ == "__main__":
