@@ -5,7 +5,7 @@ compiles; docs/combinations.md is their outcome.
 The default tier reads the page's runs back and plans each (the CLI's parse and
 ``plan_run``: what it refuses before compiling, seconds for all of them): every pair of
 values trains together in a run the plan accepts, or is listed with its refusal. The
-slow tier (``python -m pytest -m slow tests/test_combinations.py``, 5 min 30 s on 2
+slow tier (``python -m pytest -m slow tests/test_combinations.py``, 9 min 28 s on 2
 cores) generates the page again (the cover asks the planner: about 20 s) and trains
 every run the plan accepts, 2 steps each.
 """
