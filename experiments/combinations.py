@@ -100,14 +100,13 @@ def all_pairs(refusal: Callable[[dict[str, str]], str | None],
         start = {**{name: next(iter(values)) for name, values in options.items()}, **dict(seed)}
         tries = [start] + [{**start, name: v} for name in options if name not in dict(seed)
                            for v in options[name] if v != start[name]]
-        row = next((dict(seed, **_greedy(r, dict(seed), todo, options, refusal))
+        row = next((_greedy(r, dict(seed), todo, options, refusal)
                     for r in tries if refusal(r) is None), None)
         if row is None:
             todo.discard(seed)
             never[seed] = refusal(start)
             runs.append(Run(start, ()))
             continue
-        row = {name: row[name] for name in options}
         covered = _pairs(row) & todo
         todo -= covered
         runs.append(Run(row, tuple(sorted(covered))))
@@ -115,12 +114,14 @@ def all_pairs(refusal: Callable[[dict[str, str]], str | None],
 
 
 def _greedy(start, row, todo, options, refusal) -> dict[str, str]:
-    """``row`` completed option by option from ``start`` (values that train)."""
+    """``row`` completed option by option, each value the best-covering one that trains
+    with the options not yet taken as in ``start`` (values that train; so ``start``'s
+    own value always does)."""
     for name in options:
         if name not in row:
             ranked = sorted(options[name], key=lambda v: -len(_pairs({**row, name: v}) & todo))
             row[name] = next(v for v in ranked if refusal({**start, **row, name: v}) is None)
-    return row
+    return {name: row[name] for name in options}
 
 
 class Outcome(NamedTuple):
