@@ -25,7 +25,7 @@ os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""),
 # step under a layout), and each is compiled once per run, not once per module (1.5 min
 # of the suite's 40 min of CPU). Programs that compile in under a second are not kept
 # (JAX's default; keeping those from 0.1 s cost more CPU than it saved). Read back, an
-# executable gives the same HLO text, memory and cost analysis.
+# executable gives the same HLO text, memory and cost analysis (tests/test_hlo.py).
 import atexit  # noqa: E402
 import shutil  # noqa: E402
 import tempfile  # noqa: E402
@@ -38,19 +38,10 @@ import jax  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
 
-import gc  # noqa: E402
-
-# Tracing and lowering allocate millions of short-lived Python objects: at Python's
-# default thresholds about a tenth of a module's time went to collections that free
-# few of them (perf: gc_collect_main and its visits, 5% of a compile's samples). What
-# is loaded by now is never collected (gc.freeze), and a collection waits for 20,000
-# new objects, not 700.
-gc.freeze()
-gc.set_threshold(20_000, 50, 50)
-
 
 import ast  # noqa: E402
 import functools  # noqa: E402
+import gc  # noqa: E402
 import sys  # noqa: E402
 
 
