@@ -1,7 +1,10 @@
 """The HLO inspector against programs whose communication we know."""
 
+import re
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from jax import lax
 from jax.sharding import PartitionSpec as P
@@ -130,3 +133,39 @@ def test_unparsed_collectives_raise_instead_of_reporting_none():
         parse_collectives(broken)
     with pytest.raises(ValueError, match="no ENTRY"):
         parse_collectives("HloModule m")
+
+
+def test_a_program_read_back_from_the_runs_compile_cache_reads_the_same(mesh):
+    """tests/conftest.py gives the run one compile cache: an executable read back from it
+    has the HLO text, memory and cost analysis the tests read from a fresh compile."""
+    from jax import monitoring
+
+    def compiled():
+        fn = jax.jit(lambda x: jnp.tanh(x @ x.T).sum(0),
+                     in_shardings=jax.NamedSharding(mesh, P("data", "tensor")))
+        return fn.lower(np.ones((16, 32), np.float32)).compile()
+
+    def seen(c):
+        memory = c.memory_analysis()
+        # the instructions, without source metadata (its stack frames' numbering varies)
+        text = [re.sub(r", metadata=\{[^}]*\}", "", line)
+                for line in c.as_text().splitlines() if " = " in line]
+        return (text, memory.temp_size_in_bytes, memory.argument_size_in_bytes,
+                memory.output_size_in_bytes, c.cost_analysis()["flops"])
+
+    hits = []
+    listener = lambda event, **_: hits.append(event) if event.endswith("cache_hits") else None
+    kept = jax.config.jax_persistent_cache_min_compile_time_secs
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)   # keep this one
+    monitoring.register_event_listener(listener)
+    try:
+        jax.clear_caches()
+        fresh = seen(compiled())
+        jax.clear_caches()
+        read_back = seen(compiled())
+    finally:
+        monitoring.unregister_event_listener(listener)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", kept)
+    # the second compile, the in-memory caches cleared, can only come from the disk
+    assert len(hits) == 1 and any("all-gather" in line for line in fresh[0])
+    assert read_back == fresh
