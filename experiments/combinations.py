@@ -3,7 +3,7 @@ reaches by flags, each of which must train with a finite loss or be refused in o
 line before anything compiles; their outcomes as a table for docs/combinations.md.
 
     python -m experiments.combinations --out docs/combinations.md   # planned (seconds)
-    python -m experiments.combinations --run    # each trained, 2 steps (about 4 minutes)
+    python -m experiments.combinations --run    # each trained, 2 steps (about 9 minutes)
 
 A pair of values of two options counts as covered once a run holding it trains (a
 greedy all-pairs cover that asks the CLI's planner, deterministic: the same runs every
@@ -220,7 +220,7 @@ def page(runs: list[Run], outcomes: list[Outcome], never: dict[Pair, str]) -> st
 def parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--run", action="store_true",
-                        help="train each run (about 4 minutes); else plan each (seconds)")
+                        help="train each run (about 9 minutes); else plan each (seconds)")
     parser.add_argument("--out", help="write the outcomes' page here (docs/combinations.md)")
     parser.add_argument("--data", default="README.md", help="the corpus of every run")
     return parser
