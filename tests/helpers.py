@@ -10,7 +10,7 @@ import optax
 from flax import nnx
 
 from jmegatron.models import GPT
-from jmegatron.optim import trainable_params
+from jmegatron.optim import coefficient_set, trainable_params
 from jmegatron.sharding import make_mesh
 from jmegatron.sharding.layouts import make_layout
 from jmegatron.train import create_train_state
@@ -93,6 +93,25 @@ def assert_close(got, want, rtol=1e-5, atol=1e-6):
     for (path, a), b in zip(jax.tree.leaves_with_path(got), jax.tree.leaves(want)):
         np.testing.assert_allclose(a, b, rtol=rtol, atol=atol,
                                    err_msg=jax.tree_util.keystr(path))
+
+
+def ns_roundoff(coefficients="quintic") -> float:
+    """How far apart two fp32 Newton-Schulz results may lie, relative to their largest
+    entry, when their programs round differently (another layout's summation order,
+    another fusion): each iteration multiplies an error along the smallest singular
+    directions by its slope at zero, its ``a``, so one rounding (2**-24) grows by the
+    product of the a's (quintic: 492x, 2.9e-5; dion2's Polar Express: 991x, 5.9e-5)."""
+    cs = coefficient_set(coefficients)
+    return math.prod(a for a, _, _ in cs.schedule(cs.default_steps)) * 2.0 ** -24
+
+
+def relative_miss(got, want, start=0.0) -> float:
+    """The largest miss of ``got`` from ``want``, relative to the largest entry of
+    ``want - start`` (an update's, when ``start`` is the params it was applied to;
+    absolute where that is all zero)."""
+    got, want = np.asarray(got), np.asarray(want)
+    scale = np.abs(want - start).max()
+    return float(np.abs(got - want).max() / (scale if scale > 0 else 1.0))
 
 
 def canonical(tree, codecs):

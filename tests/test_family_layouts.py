@@ -30,7 +30,8 @@ import optax
 import pytest
 from flax import nnx
 
-from helpers import assert_restores, grads_of, optimizer_step, stepper, three_steps
+from helpers import (assert_restores, grads_of, ns_roundoff, optimizer_step, relative_miss,
+                     stepper, three_steps)
 from jmegatron.models import GPT, GPTConfig
 from jmegatron.optim import (PlanSpec, make_plan, scale_by_adaptive_muon, scale_by_mop,
                              scale_by_muon, scale_by_rekls, trainable_params)
@@ -65,8 +66,10 @@ def family(transforms: dict, optimizers: dict[str, str]):
     return make
 
 
-# The matrix kinds a transformation sends to REKLS (compared by norm: see above).
+# The matrix kinds a transformation sends to REKLS (compared by norm: see above), and
+# to Newton-Schulz (compared to its round-off bound, helpers.ns_roundoff).
 EIGENBASIS_KINDS = {"rekls_and_gram": ("qkv", "gate_up")}
+NEWTON_SCHULZ_KINDS = {"muon_family": ("out", "gate_up", "down"), "rekls_and_gram": ("out", "down")}
 TRANSFORMS = {
     "muon_family": family(
         {"mop": scale_by_mop,
@@ -109,13 +112,16 @@ def test_three_steps_equal_one_device_with_tensor_parallelism(name, layout_name)
     start = jax.device_get(state.params)
     got = jax.device_get(three_steps(tx, state.params, state.opt_state))
     want = one_device(name, layout.layer_group)
-    eigenbasis = EIGENBASIS_KINDS.get(name, ())
+    is_kind = lambda kinds, key: any(f"'{kind}'" in key for kind in kinds.get(name, ()))
     for (path, a), b, a0 in zip(jax.tree.leaves_with_path(got), jax.tree.leaves(want),
                                 jax.tree.leaves(start)):
         key = jax.tree_util.keystr(path)
-        if any(f"'{kind}'" in key for kind in eigenbasis):
+        if is_kind(EIGENBASIS_KINDS, key):
             error = np.linalg.norm(a - b) / np.linalg.norm(b - a0)
             assert error < 2e-5, (key, error)
+        elif is_kind(NEWTON_SCHULZ_KINDS, key):
+            miss = relative_miss(a, b, a0)
+            assert miss < ns_roundoff(), (key, miss)
         else:
             np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6, err_msg=key)
 

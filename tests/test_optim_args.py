@@ -4,7 +4,6 @@ plan at init, each in one line naming what is wrong; good arguments still run.""
 import inspect
 import re
 
-import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -13,10 +12,11 @@ import pytest
 from flax import nnx
 
 import jmegatron.optim
-from jmegatron.optim import (AdamW, adaptive_muon, descend, dion2, make_plan, mop, muon, muon_bp,
-                             polar_factor, rekls, scale_by_adaptive_muon, scale_by_dion2,
-                             scale_by_mop, scale_by_muon, scale_by_muon_bp, scale_by_rekls,
-                             scale_by_soap, soap)
+from helpers import ns_roundoff, relative_miss
+from jmegatron.optim import (DION2_COEFFICIENTS, AdamW, adaptive_muon, descend, dion2, make_plan,
+                             mop, muon, muon_bp, polar_factor, rekls, scale_by_adaptive_muon,
+                             scale_by_dion2, scale_by_mop, scale_by_muon, scale_by_muon_bp,
+                             scale_by_rekls, scale_by_soap, soap)
 from jmegatron.sharding import MeshConfig, make_mesh
 from jmegatron.train.registry import OPTIMIZERS as REGISTRY
 
@@ -197,7 +197,9 @@ STATIC = ("steps", "period", "precondition_frequency", "max_precond_dim", "fract
 @pytest.mark.parametrize("name", REGISTRY)
 def test_inject_hyperparams_with_static_options_equals_the_plain_factory(name):
     """learning_rate, weight decay and the decays are injectable; the jitted update is the
-    plain factory's. max_precond_dim 4: a block preconditioned on both sides starts in
+    plain factory's, to the round-off bound of the loosest default Newton-Schulz (Dion2's,
+    5.9e-5; a weight decay lost misses by 0.09 to 0.47, but under SOAP, whose first
+    update is zero). max_precond_dim 4: a block preconditioned on both sides starts in
     the eigenbases of its own first gradient, where REKLS's Adam divides round-off by
     round-off (any change of rounding flips it); one side keeps the test well posed."""
     factory = getattr(jmegatron.optim, name)
@@ -211,7 +213,9 @@ def test_inject_hyperparams_with_static_options_equals_the_plain_factory(name):
     got, _ = jax.jit(injected.update)(grads, injected.init(params), params)
     plain = factory(**kw)
     want, _ = plain.update(grads, plain.init(params), params)
-    chex.assert_trees_all_close(got, want, rtol=1e-5, atol=1e-8)
+    for (path, a), b in zip(jax.tree.leaves_with_path(got), jax.tree.leaves(want)):
+        miss = relative_miss(a, b)   # jit fuses, op-by-op does not: they round apart
+        assert miss < ns_roundoff(DION2_COEFFICIENTS), (jax.tree_util.keystr(path), miss)
 
 
 @pytest.mark.parametrize("name, arg", [("muon_bp", "period"), ("soap", "precondition_frequency"),
