@@ -41,11 +41,11 @@ from flax import nnx
 from experiments.bench_common import (argv, bf16_matmul_rate, median_ms, print_table,
                                       write_results)
 from experiments.presets import PRESETS
-from jmegatron.models import GPT, GPTConfig
+from jmegatron.models import GPT
 from jmegatron.sharding import MeshConfig, make_mesh
-from jmegatron.sharding.layouts import make_layout
 from jmegatron.train import TrainConfig, create_train_state
 from jmegatron.train.config import MuonConfig, SoapConfig
+from jmegatron.train.loop import resolve_layout
 from jmegatron.train.optimizer import make_optimizer
 from jmegatron.train.step import make_loss_fn, make_train_step
 
@@ -77,9 +77,7 @@ def build_step(cfg: TrainConfig):
     """(the jitted train step, its first state, fixed random tokens, the model config,
     the optimizer) of ``cfg`` on one device, as the trainer builds them."""
     mesh = make_mesh(cfg.mesh, jax.devices()[:1])
-    layout = make_layout(cfg.layout, mesh.shape)
-    model_cfg: GPTConfig = dataclasses.replace(cfg.model.pad_vocab(1),
-                                               **layout.stack_fields)
+    layout, model_cfg, _ = resolve_layout(cfg, cfg.mesh)   # as the trainer resolves it
     make_model = lambda: GPT(model_cfg, nnx.Rngs(cfg.seed))
     optimizer = make_optimizer(cfg, nnx.split(nnx.eval_shape(make_model))[1], mesh, layout)
     graphdef, state = create_train_state(make_model, optimizer.tx, optimizer.plan)
@@ -136,7 +134,8 @@ def top_ops(folder: str, steps: int, top: int) -> list[dict]:
             for name, ns in ranked]
 
 
-def table(model: str, rows: list[str], args, rate: float) -> list[dict]:
+def table(model: str, rows: list[str], args, rate: float, failed: list[str]) -> list[dict]:
+    """The rows of ``model`` that ran; each that failed is printed and added to ``failed``."""
     out = []
     profiled = "muon" if "muon" in rows else rows[0]
     for row in rows:
@@ -145,7 +144,9 @@ def table(model: str, rows: list[str], args, rate: float) -> list[dict]:
         try:
             m = measure(cfg, args.steps, trace)
         except Exception as err:   # one row failing (a kernel, memory) leaves the others
-            print(f"{model} {row}: failed: {type(err).__name__}: {str(err).splitlines()[0]}")
+            failed.append(f"{model} {row}: failed: {type(err).__name__}: "
+                          f"{str(err).splitlines()[0]}")
+            print(failed[-1])
             continue
         seconds = m["ms"] / 1e3
         model_rate, opt_rate = m["model_flops"] / seconds, m["optimizer_flops"] / seconds
@@ -195,9 +196,9 @@ def main(args_list: list[str] | None = None) -> list[dict]:
     rate = bf16_matmul_rate(512 if args.small else 8192)
     print(f"{jax.devices()[0].device_kind}: bf16 matmul {rate / 1e12:.1f} TFLOP/s; batch "
           f"{args.batch} x {args.seq_len} tokens, median of {args.steps} steps")
-    results = []
+    results, failed = [], []
     for model in models:
-        part = table(model, rows, args, rate)
+        part = table(model, rows, args, rate, failed)
         if not part:
             continue
         print(f"\n{model} ({part[0]['params_m']:,.1f}M params)")
@@ -219,6 +220,9 @@ def main(args_list: list[str] | None = None) -> list[dict]:
                                                ("share", "share", ".1%")])
     write_results("bench_train_speed", results, args.out,
                   argv() if args_list is None else args_list)
+    if failed:   # after the rows that ran are written: exit 1, naming what failed
+        raise SystemExit(f"{len(failed)} of {len(models) * len(rows)} rows failed: "
+                         + "; ".join(failed))
     return results
 
 

@@ -8,12 +8,13 @@
 #        accuracy on the GPU (its restart interval was chosen on CPU).
 # On a CPU, SMALL=1 runs every step at small shapes with the kernel in interpret mode:
 # it shows the script works, not how fast anything is.
-# Results: bench_results/*.json beside the printed tables.
+# Results: $RESULTS/*.json (default bench_results/) beside the printed tables.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
 [ -x "$PY" ] || PY=python3
 export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}.
+export RESULTS=${RESULTS:-bench_results}   # where the JSON results go
 SMALL_FLAG=()
 if [ "${SMALL:-0}" = 1 ]; then
     export SYRK_BACKEND=interpret JAX_PLATFORMS=cpu
@@ -24,8 +25,8 @@ PY="$PY" bash experiments/gpu_check.sh "${SMALL_FLAG[@]}"
 
 echo "== 3. bench_ns_kernels"
 timeout 240 "$PY" -m experiments.bench_ns_kernels "${SMALL_FLAG[@]}" \
-    --syrk "${SYRK_BACKEND:-auto}" --out bench_results/bench_ns_kernels.json
+    --syrk "${SYRK_BACKEND:-auto}" --out "$RESULTS"/bench_ns_kernels.json
 
 echo "== 4. bench_newton_schulz: Gram accuracy in bf16"
 timeout 120 "$PY" -m experiments.bench_newton_schulz --only methods,restarts "${SMALL_FLAG[@]}" \
-    --out bench_results/bench_newton_schulz_gpu.json
+    --out "$RESULTS"/bench_newton_schulz_gpu.json

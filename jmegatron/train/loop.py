@@ -108,14 +108,22 @@ def plan_run(cfg: TrainConfig) -> Plan:
     if cfg.owner_group and cfg.layout not in ("owner", "auto"):
         raise ValueError(f"--owner-group {cfg.owner_group} applies to --layout owner (or "
                          f"auto), not {cfg.layout}")
-    layout, model, choice = (choose_layout(cfg, mesh) if cfg.layout == "auto"
-                             else (*layout_and_model(cfg.layout, cfg, mesh), ""))
+    layout, model, choice = resolve_layout(cfg, mesh)
     run_folder.check_out_dir(cfg.out_dir)
     name = cfg.name or time.strftime(   # process 0's clock, on every process
         "%Y%m%d-%H%M%S", time.localtime(same_on_all(int(time.time()))))
     run_dir = Path(cfg.out_dir) / name
     run_folder.check_run_folder(run_dir, cfg)
     return Plan(mesh, model, corpus, layout, run_dir, choice)
+
+
+def resolve_layout(cfg: TrainConfig, mesh: MeshConfig) -> tuple[Layout, GPTConfig, str]:
+    """The layout ``cfg`` names on ``mesh`` (``--layout auto``: the one it chooses, with
+    the line saying why; else ""), and the model stacked for it; ValueError with the
+    one-line refusal where it cannot run them."""
+    if cfg.layout == "auto":
+        return choose_layout(cfg, mesh)
+    return (*layout_and_model(cfg.layout, cfg, mesh), "")
 
 
 def layout_and_model(name: str, cfg: TrainConfig, mesh: MeshConfig,
