@@ -1,5 +1,5 @@
 """What reporting the largest attention logit costs, and the fused kernel against the
-einsum path: `python -m experiments.bench_attention [--gpu] [--dtype D]`.
+einsum path: `python -m experiments.bench_attention [--gpu] [--dtype D] [--small]`.
 
 Times forward + backward of the model's two attention paths, which both return
 each head's largest pre-softmax logit (QK-clip's S): ``causal_attention`` (the
@@ -57,6 +57,8 @@ def parser() -> argparse.ArgumentParser:
     parser.add_argument("--gpu", action="store_true",
                         help="the dense-1b preset's attention at T 2048 and 4096")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    parser.add_argument("--small", action="store_true",
+                        help="the tiny preset's shape only, 2 repeats (shows the script runs)")
     parser.add_argument("--out", help="JSON path (default bench_results/bench_attention.json)")
     return parser
 
@@ -64,13 +66,15 @@ def parser() -> argparse.ArgumentParser:
 def main(args_list: list[str] | None = None) -> list[dict]:
     args = parser().parse_args(args_list)
     rows = []
-    for name, *shape in GPU_SHAPES if args.gpu else SHAPES:
+    shapes = GPU_SHAPES if args.gpu else SHAPES[:1] if args.small else SHAPES
+    repeats = 2 if args.small else args.repeats
+    for name, *shape in shapes:
         inputs, variants = programs(*shape, dtype=jnp.dtype(args.dtype))
         base = None
         for variant, fn in variants.items():
             try:
                 cost = fn.lower(*inputs).compile().cost_analysis()
-                seconds = best_time(lambda: fn(*inputs), args.repeats)
+                seconds = best_time(lambda: fn(*inputs), repeats)
             except Exception as err:   # e.g. no fused kernel for this shape: the rest run
                 print(f"{name} {variant}: failed: {type(err).__name__}: "
                       f"{str(err).splitlines()[0][:200]}")

@@ -2,7 +2,7 @@
 device with all devices busy, and the per-device bandwidth and fixed cost of
 all-gathers and reduce-scatters over all of them.
 
-    python -m experiments.bench_cpu_links [--devices 8]
+    python -m experiments.bench_cpu_links [--devices 8] [--small] [--out PATH]
 
 A ring collective over n devices sends (n - 1) / n of the whole per device
 (``jmegatron.sharding.cost_model``), so bandwidth = that / time; the fixed cost is
@@ -44,7 +44,7 @@ def collective_rows(mesh, sizes_mb) -> list[dict]:
     return rows
 
 
-def matmul_rate(mesh, n: int = 512) -> float:
+def matmul_rate(mesh, n: int) -> float:
     sharding = NamedSharding(mesh, P("all"))
     a = jax.device_put(jnp.ones((mesh.size * n, n), jnp.float32), sharding)
     b = jax.device_put(jnp.ones((n, n), jnp.float32), NamedSharding(mesh, P()))
@@ -57,6 +57,9 @@ def parser() -> argparse.ArgumentParser:
     cli = argparse.ArgumentParser(description=__doc__,
                                   formatter_class=argparse.RawDescriptionHelpFormatter)
     cli.add_argument("--devices", type=int, default=8)
+    cli.add_argument("--small", action="store_true",
+                     help="collectives of 4 KB and 4 MB, matmuls of 128^3 (shows the script runs)")
+    cli.add_argument("--out", default=None)
     return cli
 
 
@@ -64,11 +67,12 @@ def main(args_list: list[str] | None = None) -> list[dict]:
     args = parser().parse_args(args_list)
     jax.config.update("jax_num_cpu_devices", args.devices)
     mesh = jax.make_mesh((args.devices,), ("all",))
-    rows = collective_rows(mesh, (0.004, 4, 64))
-    rate = matmul_rate(mesh)
-    rows.append({"collective": "matmul 512^3, all devices at once", "gflop_s": rate / 1e9})
+    rows = collective_rows(mesh, (0.004, 4) if args.small else (0.004, 4, 64))
+    n = 128 if args.small else 512
+    rows.append({"collective": f"matmul {n}^3, all devices at once",
+                 "gflop_s": matmul_rate(mesh, n) / 1e9})
     print_table(rows, COLUMNS)
-    write_results("bench_cpu_links", rows, None, argv())
+    write_results("bench_cpu_links", rows, args.out, argv() if args_list is None else args_list)
     return rows
 
 

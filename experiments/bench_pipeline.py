@@ -125,10 +125,12 @@ def variants(args) -> list[tuple[int, str]]:
 def parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--small", action="store_true", help="D = 256")
-    parser.add_argument("--stages", type=int, nargs="+", default=[2, 4], choices=[2, 4, 8])
-    parser.add_argument("--per-stage", type=int, nargs="+", default=[1, 2, 4],
-                        help="microbatches per stage k: M = k * S")
+    parser.add_argument("--small", action="store_true",
+                        help="D = 256, and by default S = 2 and k = 1 only (about a minute)")
+    parser.add_argument("--stages", type=int, nargs="+", default=None, choices=[2, 4, 8],
+                        help="pipeline stages S (default 2 4)")
+    parser.add_argument("--per-stage", type=int, nargs="+", default=None,
+                        help="microbatches per stage k: M = k * S (default 1 2 4)")
     parser.add_argument("--schedules", nargs="+", default=["gpipe", "circular", "1f1b"],
                         choices=tuple(SCHEDULES))
     parser.add_argument("--repeats", type=int, nargs="+", default=[2],
@@ -140,6 +142,8 @@ def parser() -> argparse.ArgumentParser:
 
 def main(args_list: list[str] | None = None) -> list[dict]:
     args = parser().parse_args(args_list)
+    args.stages = args.stages or ([2] if args.small else [2, 4])
+    args.per_stage = args.per_stage or ([1] if args.small else [1, 2, 4])
     jax.config.update("jax_num_cpu_devices", 8)
     model = model_config(args.small)
     rows = [measure(model, 1, 1, 1, "gpipe", args.optim)]

@@ -17,6 +17,7 @@ import os
 import pkgutil
 import re
 import shlex
+import subprocess
 import sys
 import traceback
 import types
@@ -312,17 +313,17 @@ CANNOT_RUN = {
     "dense-1b": "an accelerator preset (0.89B parameters)",
     "qwen3-moe-small": "an accelerator preset (0.70B parameters)",
 }
-# The other scripts the pages show, by name or prefix, and why the suite does not run
-# their commands (it parses them: check_commands). A page that shows another script
-# must run it or say here why not.
+# The other scripts whose commands the suite runs (slow tier), by name or prefix: each at
+# its own small size, its output in a temporary folder: (arguments added, output flag).
+SMALL_RUNS = {
+    "bench_": (["--small"], "--out"),
+    "project_scale": (["--small"], "--out"),
+    "compare_optimizers": (["--steps", "4"], "--out"),
+    "qk_clip_demo": (["--steps", "4"], "--out-dir"),
+}
+# The other scripts the pages show whose commands the suite only parses (check_commands),
+# and why. A page that shows another script must run it or say here why not.
 OTHER_SCRIPTS = {
-    "bench_": "a benchmark: minutes to an hour on 2 cores at the page's sizes, and the page's "
-              "table is its output; what it times is tested at small shapes",
-    "compare_optimizers": "a benchmark: trains the tiny preset 100-300 steps per optimizer "
-                          "(tests/test_optimizer_comparison.py, slow tier, trains 3)",
-    "project_scale": "projects clusters, compiling each setting's programs for 8 devices "
-                     "(tests/test_project_scale.py compiles a subset against the model)",
-    "qk_clip_demo": "trains the tiny preset twice at a high learning rate (5 min on 2 cores)",
     "prepare_data": "reads the user's files with a downloaded Hugging Face tokenizer "
                     "(tests/test_hf.py and tests/test_data.py run it on built ones)",
     "export_hf": "exports huggingface.md's run, which starts from a downloaded model "
@@ -330,17 +331,18 @@ OTHER_SCRIPTS = {
 }
 
 
+def small_run(script: str) -> tuple[list[str], str] | None:
+    """``SMALL_RUNS``' entry for ``script``, or None."""
+    return next((run for name, run in SMALL_RUNS.items() if script.startswith(name)), None)
+
+
 def unlisted_scripts(path: Path) -> list[str]:
-    """The page's commands of scripts neither run (train) nor in ``OTHER_SCRIPTS``."""
-    page, errors = read(path), []
-    for block in page.blocks:
-        if block.lang in SHELL and not not_run(block):
-            errors += [f"{page.name}:{n}: experiments.{script} is neither run by the suite "
-                       "nor in docs_check.OTHER_SCRIPTS"
-                       for n, line in shell_lines(block) for script, _ in invocations(split(line))
-                       if script != "train"
-                       and not any(script.startswith(name) for name in OTHER_SCRIPTS)]
-    return errors
+    """The page's commands of scripts neither run (train, ``SMALL_RUNS``) nor in
+    ``OTHER_SCRIPTS``."""
+    return [f"{read(path).name}:{n}: experiments.{script} is neither run by the suite nor in "
+            "docs_check.OTHER_SCRIPTS" for n, script, _ in commands(path)
+            if script != "train" and small_run(script) is None
+            and not any(script.startswith(name) for name in OTHER_SCRIPTS)]
 
 
 # How a command's step counts shrink: every count to 2 (--steps to 4), and a checkpoint
@@ -363,17 +365,23 @@ def capped(args: list[str]) -> list[str]:
     return out + ([] if "--steps" in out else ["--steps", "4"]) + SHORT
 
 
-def train_commands(path: Path) -> list[tuple[int, list[str]]]:
-    """(line, args) of every ``python -m experiments.train`` the page's shell blocks
-    run, in order (not --help: the parse checks it)."""
+def commands(path: Path) -> list[tuple[int, str, list[str]]]:
+    """(line, script, args) of every ``python -m experiments.SCRIPT`` the page's shell
+    blocks run, in order."""
     page, out = read(path), []
     for block in page.blocks:
         if block.lang not in SHELL or not_run(block):
             continue
         for n, line in shell_lines(block):
-            out += [(n, args) for script, args in invocations(split(line))
-                    if script == "train" and "--help" not in args]
+            out += [(n, script, args) for script, args in invocations(split(line))]
     return out
+
+
+def train_commands(path: Path) -> list[tuple[int, list[str]]]:
+    """(line, args) of every ``python -m experiments.train`` the page's shell blocks
+    run, in order (not --help: the parse checks it)."""
+    return [(n, args) for n, script, args in commands(path)
+            if script == "train" and "--help" not in args]
 
 
 def run_commands(path: Path, main) -> list[str]:
@@ -389,4 +397,26 @@ def run_commands(path: Path, main) -> list[str]:
         if (error := main(*capped(args))) is not None:
             command = shlex.join(["python", "-m", "experiments.train", *args])
             errors.append(f"{read(path).name}:{n}: {command}: {error}")
+    return errors
+
+
+def run_small_commands(path: Path, folder: Path, done: set) -> list[str]:
+    """Runs the page's commands of ``SMALL_RUNS`` scripts in ``folder``, at their small
+    size with their output there, but those in ``done`` (which gains the others: another
+    page's); a line for each that exits non-zero or prints a row that failed
+    (``NAME: failed: ...``)."""
+    errors = []
+    for n, script, args in commands(path):
+        if (run := small_run(script)) is None or (script, tuple(args)) in done:
+            continue
+        done.add((script, tuple(args)))
+        added, out_flag = run
+        out = folder / f"{script}-{len(done)}{'.json' if out_flag == '--out' else ''}"
+        ran = subprocess.run([sys.executable, "-m", f"experiments.{script}", *args, *added,
+                              out_flag, str(out)], cwd=folder, capture_output=True, text=True)
+        failed = [line for line in ran.stdout.splitlines() if ": failed: " in line]
+        if ran.returncode or failed:
+            command = shlex.join(["python", "-m", f"experiments.{script}", *args])
+            why = failed[0] if failed else error_line(ran.stderr)
+            errors.append(f"{read(path).name}:{n}: {command}: {why}")
     return errors

@@ -11,8 +11,10 @@ Conventions for the pages:
 - every ``python -m experiments.train`` command of a shell block runs, in order, in a
   temporary folder, its step counts capped (``docs_check.capped``); those that need
   an accelerator, several hosts or a downloaded model are ``docs_check.CANNOT_RUN``;
-- other scripts' commands (benchmarks, projections, conversions) are parsed, and why
-  they are not run is ``docs_check.OTHER_SCRIPTS``.
+- other scripts' commands (benchmarks, projections, demos) run in the slow tier at their
+  own small sizes, output in a temporary folder (``docs_check.SMALL_RUNS``); those of
+  the scripts that need a downloaded model or tokenizer are parsed, and why they are
+  not run is ``docs_check.OTHER_SCRIPTS``.
 """
 
 import pytest
@@ -70,17 +72,24 @@ def test_commands_the_suite_does_not_run_say_why(page):
     check(docs_check.unlisted_scripts(page))
 
 
-# The README's commands run in every suite (its quickstart: the default run, the MoE
-# preset, a resume on another mesh and layout); the other pages' in the slow tier
-# (``-m slow``), as their ~20 distinct programs would double the suite's time.
-RUN_BY_DEFAULT = {"README.md"}
-
-
-@pytest.mark.parametrize("page", [
-    pytest.param(p, marks=() if p.name in RUN_BY_DEFAULT else pytest.mark.slow)
-    for p in PAGES], ids=lambda p: p.name)
+@by_name
 def test_training_commands_run(page, tmp_path, monkeypatch):
     """Runs that differ only in steps, names and folders share their programs."""
     monkeypatch.chdir(tmp_path)
     with sharing_programs():
         check(docs_check.run_commands(page, cli_runs.main))
+
+
+@pytest.fixture(scope="module")
+def small_runs_done():
+    """The other scripts' commands run so far (a command two pages show runs once)."""
+    return set()
+
+
+@pytest.mark.slow
+@by_name
+def test_other_scripts_commands_run_at_their_small_size(page, tmp_path, small_runs_done):
+    """Benchmarks, projections and demos as the page shows them, each at its own small
+    size (``--small``; a demo's or comparison's steps capped): they exit 0, and no
+    benchmark row reports a failure."""
+    check(docs_check.run_small_commands(page, tmp_path, small_runs_done))
