@@ -346,7 +346,8 @@ def abstract_program(s: Setting, layout_name: str, devices=None):
     from flax import nnx
     from jmegatron.models import GPT
     from jmegatron.optim import trainable_params
-    from jmegatron.sharding import BATCH_AXES, MeshConfig, make_mesh
+    from jmegatron.sharding import MeshConfig, make_mesh
+    from jmegatron.sharding.rules import axis_roles
     from jmegatron.sharding.layouts import make_layout
     from jmegatron.train.optimizer import make_optimizer
     from jmegatron.train.state import TrainState, train_state_shardings
@@ -376,7 +377,7 @@ def abstract_program(s: Setting, layout_name: str, devices=None):
         lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), sub),
         train_state_shardings(shapes, optimizer.plan), shapes)
     tokens = jax.ShapeDtypeStruct((s.batch, s.seq + 1), jnp.int32,
-                                  sharding=jax.NamedSharding(mesh, jax.P(BATCH_AXES)))
+                                  sharding=jax.NamedSharding(mesh, jax.P(axis_roles(layout.rules).batch)))
     return mesh, layout, cfg, optimizer, graphdef, state, tokens
 
 

@@ -64,7 +64,6 @@ from jmegatron.sharding import rules as ax
 from jmegatron.sharding.cost_model import CommCost, Hardware, comm_cost, hardware, preset_for
 from jmegatron.sharding.layouts import (LAYOUTS, Layout, layout_label, make_layout,
                                         owner_group_axes)
-from jmegatron.sharding.mesh import BATCH_AXES
 
 MEMORY_SHARE = 0.8      # of the device's memory for params, gradients and state
 # Optimizer state per element, in bytes, where the caller does not say: Muon's fp32
@@ -280,7 +279,7 @@ def candidates(mesh_shape: Mapping[str, int], rules: ax.Rules = ax.DEFAULT_RULES
     live = lambda axes: any(mesh_shape.get(a, 1) > 1 for a in axes)
     zero3 = ax.mesh_axes_of(ax.EMBED, rules)
     wider = set(owner_group_axes(mesh_shape, rules)) - set(zero3)
-    out = [Candidate(name) for name, ok in (("replicated", True), ("layerwise", live(BATCH_AXES)),
+    out = [Candidate(name) for name, ok in (("replicated", True), ("layerwise", live(ax.axis_roles(rules).batch)),
                                             ("fsdp", live(zero3))) if ok]
     groups = [g for g, ok in (("fsdp", live(zero3)), ("data+fsdp", live(wider))) if ok]
     fetch = (False, True) if prefetch and ax.only_batch_axes_live(mesh_shape, rules) else (False,)
@@ -291,7 +290,7 @@ def _leaves(params, layout: Layout, mesh_shape: Mapping[str, int], cost: MatrixF
             routing: Routing) -> list[tuple[_Leaf, bool]]:
     """(leaf, is_matrix) for every trained leaf of ``params`` under ``layout``."""
     zero3 = ax.mesh_axes_of(ax.EMBED, layout.rules)   # split element-wise (or by owner)
-    batch = [a for a in BATCH_AXES if mesh_shape.get(a, 1) > 1]
+    batch = [a for a in ax.axis_roles(layout.rules).batch if mesh_shape.get(a, 1) > 1]
     sizes = dict(mesh_shape)
     out = []
     for path, node in jax.tree.flatten_with_path(params, is_leaf=_is_variable)[0]:
