@@ -17,11 +17,11 @@ from flax import nnx
 from experiments.bench_layouts import model_config as bench_model
 from experiments.presets import qwen3_moe_tiny, tiny
 from experiments.project_scale import model_config as scale_model
+from jmegatron.analysis.cost_model import preset_for
 from jmegatron.models import GPT
 from jmegatron.optim import make_plan
 from jmegatron.optim.auto_layout import MEMORY_SHARE, candidates, estimate
 from jmegatron.sharding import MeshConfig, make_mesh
-from jmegatron.sharding.cost_model import preset_for
 from jmegatron.train.config import TrainConfig
 from jmegatron.train.loop import plan_run
 from jmegatron.train.registry import OPTIMIZERS

@@ -58,10 +58,10 @@ from typing import Mapping, NamedTuple, Sequence
 import jax
 from flax import nnx
 
+from jmegatron.analysis.cost_model import CommCost, Hardware, comm_cost, hardware, preset_for
 from jmegatron.optim.placement import place
 from jmegatron.optim.routing import MATRIX, MatrixFlops, Routing, leaf_routes, routed
 from jmegatron.sharding import rules as ax
-from jmegatron.sharding.cost_model import CommCost, Hardware, comm_cost, hardware, preset_for
 from jmegatron.sharding.layouts import (LAYOUTS, Layout, layout_label, make_layout,
                                         owner_group_axes)
 

@@ -9,12 +9,12 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from jmegatron.analysis.cost_model import hardware
 from jmegatron.optim import ADAMW, AdamW, Routing, ShardingPlan, TensorParallel, make_plan
 from jmegatron.optim.auto_layout import STATE_BYTES, LayoutEstimate, estimate, preset_of
 from jmegatron.optim.owners import ns_cost
 from jmegatron.optim.tensor_parallel import tp_note
 from jmegatron.sharding import rules as ax
-from jmegatron.sharding.cost_model import hardware
 from jmegatron.sharding.layouts import Layout
 from jmegatron.sharding.rules import logical_axes_of
 from jmegatron.train.config import ScheduleConfig, TrainConfig
