@@ -50,9 +50,11 @@ from jax.sharding import PartitionSpec as P
 from jmegatron.sharding.pipeline import PipelineRunner
 from jmegatron.sharding.rules import (BATCH, DEFAULT_RULES, EMBED, EXPERTS, LAYER_GROUPS, LAYERS,
                                      STAGES, VOCAB, Rules, check_vocab_apart_from_batch,
-                                     indivisible, logical_to_spec, mesh_axes_of, spec_axes,
-                                     split_size, with_rules)
+                                     indivisible, logical_to_spec, mesh_axes_of,
+                                     only_batch_axes_live, spec_axes, split_size, with_rules)
 from jmegatron.sharding.runners import ScanRunner, ScatterRunner, StackRunner, default_runner
+from jmegatron.sharding.traffic import (LeafTraffic, RunOptions, Transfer, all_reduced, ring,
+                                        sharded)
 
 LAYOUTS = ("replicated", "layerwise", "fsdp", "owner")
 ASSIGNMENTS = ("round_robin", "balanced")
@@ -230,6 +232,16 @@ class Layout:
     def check_matrix(self, path: str, logical: tuple) -> None:
         """Raises ValueError if a matrix leaf with ``logical`` axes cannot live here."""
 
+    def traffic(self, leaf: LeafTraffic, run: RunOptions) -> list[Transfer]:
+        """The collectives one step runs for ``leaf`` under this layout, as ``--layout
+        auto`` models them (``optim.auto_layout.estimate``)."""
+        raise NotImplementedError(f"the {self.name} layout has no traffic model")
+
+    def sums_gradients_manually(self, mesh_shape: Mapping[str, int]) -> bool:
+        """Whether this layout's runners sum the gradients themselves (a ``shard_map``
+        manual over the batch axes), not XLA's partitioner."""
+        return False
+
     def masters_on_owners(self, compute_dtype, grad_dtype, stack_owners: int,
                           dealt: bool) -> bool:
         """Whether a matrix stack's fp32 params live with its state on its
@@ -254,9 +266,22 @@ def _axes_named(mesh_shape: Mapping[str, int], axes) -> str:
 class Replicated(Layout):
     name = "replicated"
 
+    def traffic(self, leaf: LeafTraffic, run: RunOptions) -> list[Transfer]:
+        """Gradients all-reduced over the ranks holding copies."""
+        return all_reduced(leaf)
+
 
 class FSDP(Layout):
     name = "fsdp"
+
+    def traffic(self, leaf: LeafTraffic, run: RunOptions) -> list[Transfer]:
+        """Per layer: gathered for the forward and again for the backward in the compute
+        dtype, gradients reduce-scattered, then all-reduced over the other batch ranks;
+        matrices gathered once more, whole, for the optimizer ("stock FSDP-Muon")."""
+        out = sharded(leaf, 2, leaf.layers, leaf.used)
+        if leaf.matrix_flops:
+            out += ring("all-gather", leaf.gathered, leaf, leaf.used, leaf.master, 1)
+        return out
 
 
 class Layerwise(Layout):
@@ -265,6 +290,22 @@ class Layerwise(Layout):
     def stage_runner(self, prefetch: bool, keep_gathered: bool) -> StackRunner:
         # The layers send their gradients to the owners (sharding.scatter).
         return ScatterRunner(owners=self.owner_axes)
+
+    def sums_gradients_manually(self, mesh_shape: Mapping[str, int]) -> bool:
+        return only_batch_axes_live(mesh_shape, self.rules)
+
+    def traffic(self, leaf: LeafTraffic, run: RunOptions) -> list[Transfer]:
+        """Matrix stacks: gradients reduce-scattered to their owners (all-reduced where
+        dealt round-robin, each owner keeping its own), updated params all-gathered in
+        the master dtype, or the masters on their owners in the compute dtype
+        (``masters_on_owners``); other leaves as replicated."""
+        if leaf.owners <= 1:
+            return all_reduced(leaf)
+        width = leaf.wire if leaf.masters_on_owners else leaf.master
+        gather = ring("all-gather", leaf.reduced, leaf, leaf.used * leaf.padding, width, 1)
+        if leaf.layers % leaf.owners:
+            return all_reduced(leaf) + gather
+        return ring("reduce-scatter", leaf.reduced, leaf, leaf.used, leaf.summed, 1) + gather
 
     def state_spec(self, logical: tuple, batch_dims: tuple[int, ...]) -> P:
         """The param's, except that the stack dim (``stack_dim``: the first batch dim
@@ -345,6 +386,21 @@ class Owner(Layout):
 
     def stage_runner(self, prefetch: bool, keep_gathered: bool) -> StackRunner:
         return default_runner(self.layer_group, prefetch, keep_gathered)
+
+    def sums_gradients_manually(self, mesh_shape: Mapping[str, int]) -> bool:
+        return only_batch_axes_live(mesh_shape, self.rules)
+
+    def traffic(self, leaf: LeafTraffic, run: RunOptions) -> list[Transfer]:
+        """Like fsdp, but a group of f layers is gathered at once; the backward gathers
+        again with more than one group (not with ``keep_gathered``), and always where
+        the groups move by XLA's sharding constraints or are prefetched (prefetch
+        gathers every group in both passes, ``sharding.prefetch``; so does
+        ``run_constrained``, even one group: measured on the default run's compiled
+        step); the optimizer gathers nothing."""
+        stack = leaf.owners > 1
+        again = ((stack and (run.prefetch or not run.manual))
+                 or (leaf.groups > 1 and not run.keep_gathered))
+        return sharded(leaf, 2 if again else 1, leaf.groups, leaf.used * leaf.padding)
 
     def check_matrix(self, path: str, logical: tuple) -> None:
         if self.owners > 1 and LAYER_GROUPS not in logical[:2]:
