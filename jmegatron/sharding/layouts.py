@@ -56,7 +56,6 @@ from jmegatron.sharding.runners import ScanRunner, ScatterRunner, StackRunner, d
 from jmegatron.sharding.traffic import (LeafTraffic, RunOptions, Transfer, all_reduced, ring,
                                         sharded)
 
-LAYOUTS = ("replicated", "layerwise", "fsdp", "owner")
 ASSIGNMENTS = ("round_robin", "balanced")
 # The owner layout's group, the ranks that each hold whole matrices of every group of
 # layers: the ZeRO-3 axis (``fsdp``; the data ranks hold copies, as hybrid-sharded
@@ -93,6 +92,13 @@ class Layout:
     stages: int = 1                     # pipeline stages (the mesh axes ``stages`` maps to)
     repeats: int = 1                    # chunks per stage of a circular pipeline
     schedule: str = "gpipe"             # the pipeline's (sharding.pipeline.SCHEDULES)
+
+    @classmethod
+    def for_mesh(cls, mesh_shape: Mapping[str, int], rules: Rules, assignment: str,
+                 owner_group: str) -> "Layout":
+        """This layout on a mesh of ``mesh_shape``, built on ``rules`` (``make_layout``
+        checks the options; ``assignment`` is layerwise's, ``owner_group`` owner's)."""
+        raise NotImplementedError(f"the {cls.name} layout cannot be built")
 
     def check(self, model, mesh_shape: Mapping[str, int], batch_size: int,
               microbatches: int = 1) -> str | None:
@@ -258,6 +264,16 @@ def _alternating(model) -> bool:
     return bool(model.moe.n_experts) and model.moe.every > 1
 
 
+def _live(mesh_shape: Mapping[str, int], axes) -> tuple[str, ...]:
+    """The axes of ``axes`` of size > 1."""
+    return tuple(a for a in axes if mesh_shape.get(a, 1) > 1)
+
+
+def _params_replicated(rules: Rules) -> Rules:
+    """``rules`` with the params whole on every batch rank (ZeRO-3's embed split off)."""
+    return with_rules(rules, embed=None)
+
+
 def _axes_named(mesh_shape: Mapping[str, int], axes) -> str:
     """``data=2 x fsdp=2``: the live ones of ``axes`` with their sizes."""
     return " x ".join(f"{a}={mesh_shape[a]}" for a in axes if mesh_shape.get(a, 1) > 1) or "none"
@@ -266,6 +282,10 @@ def _axes_named(mesh_shape: Mapping[str, int], axes) -> str:
 class Replicated(Layout):
     name = "replicated"
 
+    @classmethod
+    def for_mesh(cls, mesh_shape, rules, assignment, owner_group) -> Layout:
+        return cls(_params_replicated(rules), stages=split_size(mesh_shape, rules, STAGES))
+
     def traffic(self, leaf: LeafTraffic, run: RunOptions) -> list[Transfer]:
         """Gradients all-reduced over the ranks holding copies."""
         return all_reduced(leaf)
@@ -273,6 +293,10 @@ class Replicated(Layout):
 
 class FSDP(Layout):
     name = "fsdp"
+
+    @classmethod
+    def for_mesh(cls, mesh_shape, rules, assignment, owner_group) -> Layout:
+        return cls(rules, stages=split_size(mesh_shape, rules, STAGES))
 
     def traffic(self, leaf: LeafTraffic, run: RunOptions) -> list[Transfer]:
         """Per layer: gathered for the forward and again for the backward in the compute
@@ -286,6 +310,13 @@ class FSDP(Layout):
 
 class Layerwise(Layout):
     name = "layerwise"
+
+    @classmethod
+    def for_mesh(cls, mesh_shape, rules, assignment, owner_group) -> Layout:
+        """The ranks that hold different data own the matrices."""
+        owners = _live(mesh_shape, mesh_axes_of(BATCH, rules))
+        return cls(_params_replicated(rules), owners, tuple(mesh_shape[a] for a in owners),
+                   assignment, split_size(mesh_shape, rules, STAGES))
 
     def stage_runner(self, prefetch: bool, keep_gathered: bool) -> StackRunner:
         # The layers send their gradients to the owners (sharding.scatter).
@@ -349,6 +380,21 @@ class Owner(Layout):
     name = "owner"
     group: str = "fsdp"    # the owner group as --owner-group names it (OWNER_GROUPS)
 
+    @classmethod
+    def for_mesh(cls, mesh_shape, rules, assignment, owner_group) -> Layout:
+        """The ZeRO-3 axes (or the ``data+fsdp`` group) own whole matrices. The stack
+        axis takes them; block weights' embed axis then stays whole (a mesh axis
+        splits an array once), while the embedding and head keep their element-wise
+        split."""
+        zero3 = mesh_axes_of(EMBED, rules)
+        if owner_group == "data+fsdp":
+            zero3 = owner_group_axes(mesh_shape, rules)
+            rules = with_rules(rules, **{EMBED: zero3 or None})
+        owners = _live(mesh_shape, zero3)
+        return cls(with_rules(rules, **{LAYERS: zero3 or None}), owners,
+                   tuple(mesh_shape[a] for a in owners),
+                   stages=split_size(mesh_shape, rules, STAGES), group=owner_group)
+
     @property
     def layer_group(self) -> int:
         return self.owners
@@ -409,6 +455,12 @@ class Owner(Layout):
                              f"GPTConfig(layer_group={self.layer_group})")
 
 
+# Every layout by name, as --layout names it.
+LAYOUT_CLASSES: dict[str, type[Layout]] = {
+    cls.name: cls for cls in (Replicated, Layerwise, FSDP, Owner)}
+LAYOUTS = tuple(LAYOUT_CLASSES)
+
+
 def make_layout(name: str, mesh_shape: Mapping[str, int], rules: Rules = DEFAULT_RULES,
                 assignment: str = "round_robin", repeats: int = 1,
                 schedule: str | None = None, owner_group: str = "fsdp") -> Layout:
@@ -418,37 +470,17 @@ def make_layout(name: str, mesh_shape: Mapping[str, int], rules: Rules = DEFAULT
     ranks of ``owner_group`` (``OWNER_GROUPS``); with pipeline stages, ``repeats``
     chunks per stage make the pipeline circular, and ``schedule`` (None: circular
     with repeats, else gpipe) may choose 1f1b."""
-    if repeats != 1 or schedule is not None:
-        return dataclasses.replace(make_layout(name, mesh_shape, rules, assignment,
-                                               owner_group=owner_group),
-                                   repeats=repeats,
-                                   schedule=schedule or ("circular" if repeats > 1 else "gpipe"))
-    if name not in LAYOUTS:
+    if name not in LAYOUT_CLASSES:
         raise ValueError(f"unknown layout {name!r}; choose one of {LAYOUTS}")
     if assignment not in ASSIGNMENTS:
         raise ValueError(f"unknown assignment {assignment!r}; choose one of {ASSIGNMENTS}")
     if owner_group not in OWNER_GROUPS:
         raise ValueError(f"unknown owner group {owner_group!r}; choose one of {OWNER_GROUPS}")
-    live = lambda axes: tuple(a for a in axes if mesh_shape.get(a, 1) > 1)
-    sizes = lambda axes: tuple(mesh_shape[a] for a in axes)
-    stages = split_size(mesh_shape, rules, STAGES)
-    replicated_params = with_rules(rules, embed=None)
-    if name == "replicated":
-        return Replicated(replicated_params, stages=stages)
-    if name == "layerwise":   # the ranks that hold different data own the matrices
-        owners = live(mesh_axes_of(BATCH, rules))
-        return Layerwise(replicated_params, owners, sizes(owners), assignment, stages)
-    if name == "fsdp":
-        return FSDP(rules, stages=stages)
-    # The ZeRO-3 axes own whole matrices. The stack axis takes them; block weights'
-    # embed axis then stays whole (a mesh axis splits an array once), while the
-    # embedding and head keep their element-wise split.
-    zero3 = mesh_axes_of(EMBED, rules)
-    if owner_group == "data+fsdp":
-        zero3 = owner_group_axes(mesh_shape, rules)
-        rules = with_rules(rules, **{EMBED: zero3 or None})
-    return Owner(with_rules(rules, **{LAYERS: zero3 or None}), live(zero3), sizes(live(zero3)),
-                 stages=stages, group=owner_group)
+    layout = LAYOUT_CLASSES[name].for_mesh(mesh_shape, rules, assignment, owner_group)
+    if repeats == 1 and schedule is None:
+        return layout
+    return dataclasses.replace(layout, repeats=repeats,
+                               schedule=schedule or ("circular" if repeats > 1 else "gpipe"))
 
 
 def owner_group_axes(mesh_shape: Mapping[str, int], rules: Rules = DEFAULT_RULES
