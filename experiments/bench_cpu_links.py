@@ -5,7 +5,7 @@ all-gathers and reduce-scatters over all of them.
     python -m experiments.bench_cpu_links [--devices 8] [--small] [--out PATH]
 
 A ring collective over n devices sends (n - 1) / n of the whole per device
-(``jmegatron.sharding.cost_model``), so bandwidth = that / time; the fixed cost is
+(``jmegatron.analysis.cost_model``), so bandwidth = that / time; the fixed cost is
 the time of a 4 KB collective. Prints a table and writes JSON to
 bench_results/bench_cpu_links.json.
 """

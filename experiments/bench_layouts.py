@@ -45,14 +45,15 @@ import optax
 from flax import nnx
 
 from experiments.bench_common import argv, best_time, print_table, write_results
+from jmegatron.analysis import hlo_collectives
+from jmegatron.analysis.hlo import periodic_bytes_per_device
 from jmegatron.models import GPT, GPTConfig, MoEConfig
 from jmegatron.optim import ShardingPlan, make_plan, trainable_params
 from jmegatron.optim.coefficients import coefficient_set
 from jmegatron.optim.muon import MOONLIGHT_RMS
 from jmegatron.optim.owners import tail_owner_bytes
 from jmegatron.optim.routing import MatrixSpec
-from jmegatron.sharding import MeshConfig, hlo_collectives, make_mesh
-from jmegatron.sharding.hlo import periodic_bytes_per_device
+from jmegatron.sharding import MeshConfig, make_mesh
 from jmegatron.sharding.layouts import LAYOUTS, make_layout
 from jmegatron.train import ScheduleConfig, TrainConfig, create_train_state
 from jmegatron.train.optimizer import (MATRIX_OPTIMIZERS, Optimizer, make_optimizer,

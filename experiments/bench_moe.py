@@ -32,11 +32,12 @@ from flax import nnx
 from jax.sharding import NamedSharding
 
 from experiments.bench_common import argv, best_time, print_table, write_results
+from jmegatron.analysis import hlo_collectives
 from jmegatron.models import GPTConfig, MoE, MoEConfig, create_sharded, state_shardings
 from jmegatron.models.dispatch import capacity_slots
 from jmegatron.optim import PlanSpec, muon_flops, scale_by_muon
-from jmegatron.sharding import (DEFAULT_RULES, MeshConfig, activation_sharding, hlo_collectives,
-                                logical_to_spec, make_mesh, with_rules)
+from jmegatron.sharding import (DEFAULT_RULES, MeshConfig, activation_sharding, logical_to_spec,
+                                make_mesh, with_rules)
 
 DISPATCHES = (("dropless", None), ("capacity", 1.0), ("capacity", 1.25), ("capacity", 2.0))
 

@@ -34,8 +34,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from experiments.bench_common import argv, best_time, print_table, write_results
+from jmegatron.analysis import hlo_collectives
 from jmegatron.models import GPT, GPTConfig
-from jmegatron.sharding import MeshConfig, hlo_collectives, make_mesh
+from jmegatron.sharding import MeshConfig, make_mesh
 from jmegatron.sharding.layouts import make_layout
 from jmegatron.sharding.pipeline import SCHEDULES, bubble
 from jmegatron.train import TrainConfig, create_train_state

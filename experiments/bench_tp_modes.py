@@ -25,8 +25,9 @@ import functools
 import jax
 
 from experiments.bench_common import argv, best_time, print_table, write_results
+from jmegatron.analysis import hlo_collectives
 from jmegatron.optim import TensorParallel, TPCostModel, newton_schulz, tp_newton_schulz
-from jmegatron.sharding import MeshConfig, hlo_collectives, make_mesh
+from jmegatron.sharding import MeshConfig, make_mesh
 
 STEPS = 5
 FULL = {"square": (1024, 1024), "1:4": (512, 2048), "4:1": (2048, 512)}

@@ -24,7 +24,7 @@ optimizer step (``tx.update`` + ``optax.apply_updates``), and reads from them:
   analytic   the model's training FLOPs, ``GPTConfig.flops_per_token(T) * B * T``
              split evenly over all devices (XLA's cost analysis counts a scanned
              layer body once, so it cannot be used for the model)
-  assumed    every hardware figure (``jmegatron.sharding.cost_model.HARDWARE``,
+  assumed    every hardware figure (``jmegatron.analysis.cost_model.HARDWARE``,
              with sources): MFU 40% of the dense bf16 peak for model and
              Newton-Schulz FLOPs alike; NVLink inside a node, InfiniBand across,
              each collective timed by NCCL's ring model (its latencies by protocol
@@ -131,7 +131,7 @@ same bytes). Projected on the v100-dgx2h preset (39 TFLOP/s sustained on one
 GPU, NVSwitch 150 GB/s per direction) against the measured weak-scaling
 efficiencies 100/95/82/77%: efficiency = the model FLOP rate per GPU over the
 one-GPU run's. Two compute models (``megatron_rows``): 'flops only' (FLOPs at
-39 TFLOP/s) and 'calibrated' (``jmegatron.sharding.compute_model``: each matmul
+39 TFLOP/s) and 'calibrated' (``jmegatron.analysis.compute_model``: each matmul
 slowed by its wave quantization, the element-wise work at HBM speed, the one
 matmul rate set by the one-GPU run), each plus the compiled collectives.
 """
@@ -346,8 +346,9 @@ def abstract_program(s: Setting, layout_name: str, devices=None):
     from flax import nnx
     from jmegatron.models import GPT
     from jmegatron.optim import trainable_params
-    from jmegatron.sharding import BATCH_AXES, MeshConfig, make_mesh
+    from jmegatron.sharding import MeshConfig, make_mesh
     from jmegatron.sharding.layouts import make_layout
+    from jmegatron.sharding.rules import axis_roles
     from jmegatron.train.optimizer import make_optimizer
     from jmegatron.train.state import TrainState, train_state_shardings
     from experiments.bench_layouts import optax_muon
@@ -376,7 +377,7 @@ def abstract_program(s: Setting, layout_name: str, devices=None):
         lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), sub),
         train_state_shardings(shapes, optimizer.plan), shapes)
     tokens = jax.ShapeDtypeStruct((s.batch, s.seq + 1), jnp.int32,
-                                  sharding=jax.NamedSharding(mesh, jax.P(BATCH_AXES)))
+                                  sharding=jax.NamedSharding(mesh, jax.P(axis_roles(layout.rules).batch)))
     return mesh, layout, cfg, optimizer, graphdef, state, tokens
 
 
@@ -426,9 +427,9 @@ def compile_layout(s: Setting, layout_name: str, fwd_bwd: bool = False, devices=
     ``fwd_bwd`` bench_layouts' forward + backward) and returns the measured row,
     the collective lists included (``*_collective_list``: hlo.Collective fields)."""
     import jax
+    from jmegatron.analysis import parse_collectives
+    from jmegatron.analysis.hlo import period_excess_flops, period_weights
     from jmegatron.optim import trainable_params
-    from jmegatron.sharding import parse_collectives
-    from jmegatron.sharding.hlo import period_excess_flops, period_weights
 
     start = time.perf_counter()
     p = programs or build_programs(s, layout_name, devices)
@@ -568,7 +569,7 @@ def exchange_bytes(s: Setting, cfg, mesh_shape: dict, collectives) -> dict:
 def collectives_of(row: dict, program: str) -> list[_Coll]:
     """The ``program`` ("train" or "opt") collectives of a measured row, each at the
     width an accelerator sends and the share of steps it runs in."""
-    from jmegatron.sharding.hlo import Collective
+    from jmegatron.analysis.hlo import Collective
     out = []
     for c in row[f"{program}_collective_list"]:
         axes = tuple(c["axes"]) if c["axes"] is not None else None
@@ -584,7 +585,7 @@ def collectives_of(row: dict, program: str) -> list[_Coll]:
 
 def project_row(row: dict, hw_name: str) -> dict:
     """Projected train step and optimizer step (ms) of a measured row on a preset."""
-    from jmegatron.sharding import cost_model as cm
+    from jmegatron.analysis import cost_model as cm
     hw = cm.hardware(hw_name)
     shape = row["mesh_shape"]
     opt = cm.project(row["opt_flops_per_device"], collectives_of(row, "opt"), shape, hw)
@@ -901,8 +902,8 @@ def megatron_rows(rows: list[dict]) -> list[dict]:
                    collectives (the same in both, by ``cost_model.NCCL_RING``)
     Nothing is set from the 2, 4 and 8-GPU measurements.
     """
-    from jmegatron.sharding import compute_model as cmp
-    from jmegatron.sharding import cost_model as cm
+    from jmegatron.analysis import compute_model as cmp
+    from jmegatron.analysis import cost_model as cm
     hw = cm.hardware("v100-dgx2h")
     fast = dataclasses.replace(hw, nvlink_gb_s=300.0)   # the paper's 300 GB/s per direction
     base = setting(MEGATRON_BASE)
@@ -966,7 +967,7 @@ def print_megatron(rows: list[dict]) -> None:
           "projected on v100-dgx2h (39 TFLOP/s on one GPU, NVSwitch 150 GB/s per "
           "direction; column '300': 300 GB/s per direction); 'flops only' counts FLOPs "
           "and collectives, 'calibrated' adds the matmuls' shapes and the element-wise "
-          "work (jmegatron.sharding.compute_model):")
+          "work (jmegatron.analysis.compute_model):")
     print_table(rows, [("variant", "config", ""), ("gpus", "GPUs", "d"),
                        ("params_b", "params B", ".2f"), ("tp_allreduces", "colls", "d"),
                        ("tp_gb", "GB/dev", ".1f"), ("wave", "matmul eff", ".1%"),
@@ -979,9 +980,9 @@ def print_megatron(rows: list[dict]) -> None:
 
 
 def print_assumptions(hardware: list[str]) -> None:
-    from jmegatron.sharding import cost_model as cm
+    from jmegatron.analysis import cost_model as cm
     print("\nAssumptions (see the module docstrings of experiments.project_scale and "
-          "jmegatron.sharding.cost_model):")
+          "jmegatron.analysis.cost_model):")
     print("  measured from the compiled programs: collective bytes, counts and device groups; "
           "params+state and temporary bytes per device; the optimizer step's FLOPs")
     print("  analytic: model FLOPs = GPTConfig.flops_per_token(T) * B * T / devices "
@@ -1034,7 +1035,7 @@ def parser() -> argparse.ArgumentParser:
 
 def main(args_list: list[str] | None = None) -> list[dict]:
     args = parser().parse_args(args_list)
-    from jmegatron.sharding import cost_model as cm
+    from jmegatron.analysis import cost_model as cm
     for name in args.hardware:
         cm.hardware(name)   # fail on a typo before compiling anything
     rows = measure_in_subprocesses(selected(args))

@@ -2,13 +2,13 @@
 
 Submodules load on first use, so ``import jmegatron`` stays fast:
 ``jmegatron.sharding``, ``jmegatron.models``, ``jmegatron.optim``,
-``jmegatron.data``, ``jmegatron.train``.
+``jmegatron.data``, ``jmegatron.train``, ``jmegatron.analysis``.
 """
 
 import importlib
 
 __version__ = "0.1.0"
-_SUBMODULES = ("sharding", "models", "optim", "data", "train")
+_SUBMODULES = ("sharding", "models", "optim", "data", "train", "analysis")
 
 
 def __getattr__(name):

@@ -12,9 +12,10 @@ import pytest
 from flax import nnx
 
 from helpers import grads_of, optimizer_step, three_steps
+from jmegatron.analysis import hlo_collectives
 from jmegatron.models import GPT, GPTConfig
 from jmegatron.optim import MATRIX, MatrixSpec, Route, Routing, make_plan, trainable_params
-from jmegatron.sharding import MeshConfig, hlo_collectives, make_mesh
+from jmegatron.sharding import MeshConfig, make_mesh
 from jmegatron.sharding.layouts import make_layout
 from jmegatron.train import create_train_state
 

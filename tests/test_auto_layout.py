@@ -17,11 +17,13 @@ from flax import nnx
 from experiments.bench_layouts import model_config as bench_model
 from experiments.presets import qwen3_moe_tiny, tiny
 from experiments.project_scale import model_config as scale_model
+from jmegatron.analysis.cost_model import preset_for
 from jmegatron.models import GPT
 from jmegatron.optim import make_plan
 from jmegatron.optim.auto_layout import MEMORY_SHARE, candidates, estimate
 from jmegatron.sharding import MeshConfig, make_mesh
-from jmegatron.sharding.cost_model import preset_for
+from jmegatron.sharding.layouts import LAYOUTS, make_layout
+from jmegatron.sharding.traffic import LeafTraffic, RunOptions
 from jmegatron.train.config import TrainConfig
 from jmegatron.train.loop import plan_run
 from jmegatron.train.registry import OPTIMIZERS
@@ -221,3 +223,15 @@ def test_the_default_run_chooses_the_layout_it_measured_fastest(tmp_path):
     assert plan.choice.startswith("layout auto: layerwise "), plan.choice
     assert "runner-up owner" in plan.choice and "(modelled on cpu" in plan.choice
     assert jax.device_count() == 8
+
+
+def test_every_layout_models_its_own_traffic():
+    """``Layout.traffic`` is each layout's (the base class has none): a leaf of two
+    layers split over fsdp 2 with copies over data 2 sends something under each."""
+    sizes = {"stage": 1, "data": 2, "fsdp": 2, "expert": 1, "tensor": 1}
+    leaf = LeafTraffic(elements=64, local=32, gathered=("fsdp",), reduced=("data",),
+                       sizes=sizes, master=4, wire=2, summed=2, layers=2, matrix_flops=1.0,
+                       owners=2)
+    for name in LAYOUTS:
+        sent = make_layout(name, sizes).traffic(leaf, RunOptions())
+        assert sent and all(t.bytes_per_device > 0 for t in sent), name

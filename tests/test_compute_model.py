@@ -1,4 +1,4 @@
-"""jmegatron.sharding.compute_model: the matmuls it lists are the model's FLOPs, waves
+"""jmegatron.analysis.compute_model: the matmuls it lists are the model's FLOPs, waves
 by hand, the calibration, and the Megatron check's arithmetic (pure Python: nothing
 compiles)."""
 
@@ -7,9 +7,9 @@ import dataclasses
 import pytest
 
 from experiments import project_scale as ps
+from jmegatron.analysis import compute_model as cmp
+from jmegatron.analysis import cost_model as cm
 from jmegatron.models import GPTConfig
-from jmegatron.sharding import compute_model as cmp
-from jmegatron.sharding import cost_model as cm
 
 CFG = GPTConfig(vocab_size=512, d_model=256, n_layers=3, n_heads=8, n_kv_heads=4, d_ff=704)
 B, T = 4, 128

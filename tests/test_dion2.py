@@ -22,12 +22,13 @@ from flax import nnx
 from dion_reference import (MODEL, ROUTING, Leaves, assert_owner_steps_like_one_device, assert_refused,
                             iterate64, polar_express64)
 from helpers import grads_of, optimizer_step, stepper, three_steps
+from jmegatron.analysis import hlo_collectives, parse_collectives
 from jmegatron.models import GPT
 from jmegatron.optim import (AdamW, PlanSpec, coefficient_set, dion2, make_plan, muon,
                              scale_by_dion2, trainable_params)
 from jmegatron.optim.dion2 import matrix_split, sharded_bytes
 from jmegatron.optim.routing import batch_axes
-from jmegatron.sharding import MeshConfig, hlo_collectives, make_mesh, parse_collectives
+from jmegatron.sharding import MeshConfig, make_mesh
 from jmegatron.sharding.layouts import make_layout
 from jmegatron.train import create_train_state
 

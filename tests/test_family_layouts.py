@@ -32,10 +32,11 @@ from flax import nnx
 
 from helpers import (assert_restores, grads_of, ns_roundoff, optimizer_step, relative_miss,
                      stepper, three_steps)
+from jmegatron.analysis import hlo_collectives
 from jmegatron.models import GPT, GPTConfig
 from jmegatron.optim import (PlanSpec, make_plan, scale_by_adaptive_muon, scale_by_mop,
                              scale_by_muon, scale_by_rekls, trainable_params)
-from jmegatron.sharding import MeshConfig, hlo_collectives, make_mesh
+from jmegatron.sharding import MeshConfig, make_mesh
 from jmegatron.sharding.layouts import LAYOUTS, make_layout
 from jmegatron.train import create_train_state
 from jmegatron.train.checkpoint import leaf_codecs

@@ -9,7 +9,8 @@ import pytest
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from jmegatron.sharding import MeshConfig, hlo_collectives, make_mesh, parse_collectives
+from jmegatron.analysis import hlo_collectives, parse_collectives
+from jmegatron.sharding import MeshConfig, make_mesh
 
 
 @pytest.fixture(scope="module")

@@ -24,11 +24,12 @@ def test_submodules_load_lazily():
 def test_the_quick_tier_names_a_test_of_every_module_that_exists():
     """tests/conftest.py's QUICK: each name is a test function of its module (a renamed
     test would silently leave the tier), and every module but the one-minute
-    comparison has one."""
+    comparison and the GPU scripts' CPU runs (a minute or more each, code the edit loop
+    rarely touches) has one."""
     from conftest import QUICK
     here = Path(__file__).parent
-    assert set(QUICK) | {"test_optimizer_comparison.py"} == {p.name for p in
-                                                             here.glob("test_*.py")}
+    slow = {"test_optimizer_comparison.py", "test_gpu_scripts.py"}
+    assert set(QUICK) | slow == {p.name for p in here.glob("test_*.py")}
     for module, names in QUICK.items():
         source = (here / module).read_text()
         for name in names:

@@ -13,9 +13,10 @@ import pytest
 from flax import nnx
 
 import helpers
+from jmegatron.analysis import hlo_collectives, parse_collectives
 from jmegatron.models import GPT, GPTConfig, qk_clipper
 from jmegatron.models.gpt import grouped_layers, ungroup
-from jmegatron.sharding import MeshConfig, hlo_collectives, make_mesh, parse_collectives
+from jmegatron.sharding import MeshConfig, make_mesh
 from jmegatron.sharding.layouts import LAYOUTS, make_layout
 from jmegatron.sharding.rules import spec_axes
 from jmegatron.train import (AdamWConfig, ScheduleConfig, TrainConfig, make_loss_fn,
@@ -193,8 +194,8 @@ def test_layerwise_newton_schulz_skips_padding_slots(fsdp8):
     """A stack of 6 matrices on 8 owners: ranks 6 and 7 hold only padding and skip
     it (a conditional in the compiled step); the update equals one device's. A
     stack of 8 has no padding and no conditional."""
-    from jmegatron.optim import PlanSpec, scale_by_muon
     from jmegatron.models import state_shardings
+    from jmegatron.optim import PlanSpec, scale_by_muon
 
     def update(layers, mesh):
         grads = nnx.State({"w": nnx.Param(

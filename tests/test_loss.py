@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding
 
+from jmegatron.analysis import hlo_collectives
 from jmegatron.models import cross_entropy
-from jmegatron.sharding import (DEFAULT_RULES, MeshConfig, hlo_collectives, logical_to_spec,
-                                make_mesh)
+from jmegatron.sharding import DEFAULT_RULES, MeshConfig, logical_to_spec, make_mesh
 
 B, T, V, VALID = 8, 16, 512, 300
 

@@ -17,6 +17,7 @@ from jax.sharding import NamedSharding
 
 from experiments import train as train_cli
 from helpers import ns_roundoff, relative_miss
+from jmegatron.analysis import parse_collectives
 from jmegatron.models import (GPT, GPTConfig, MoE, MoEConfig, balance_expert_bias,
                               create_sharded, cross_entropy, moe_losses, state_shardings,
                               validate_sharding)
@@ -24,8 +25,8 @@ from jmegatron.models import dispatch
 from jmegatron.models.config import ConfigError
 from jmegatron.models.moe import ExpertBias
 from jmegatron.optim import PlanSpec, describe, make_plan, muon, scale_by_muon, trainable_params
-from jmegatron.sharding import (DEFAULT_RULES, MeshConfig, activation_sharding,
-                                logical_to_spec, make_mesh, parse_collectives)
+from jmegatron.sharding import (DEFAULT_RULES, MeshConfig, activation_sharding, logical_to_spec,
+                                make_mesh)
 from jmegatron.sharding.layouts import make_layout
 
 MOE = MoEConfig(n_experts=8, top_k=2, d_ff=16)
@@ -349,9 +350,9 @@ def test_owner_layout_runs_moe_like_one_device(mesh_config):
     tensor 2 the MoE groups move by sharding constraints; without, in
     ``run_gathered``'s shard_map, where the layer runs on its local blocks."""
     import helpers
+    from jmegatron.analysis import hlo_collectives
     from jmegatron.models.gpt import ungroup
     from jmegatron.optim import trainable_params
-    from jmegatron.sharding import hlo_collectives
     from jmegatron.train import TrainConfig, make_loss_fn
     cfg = GPTConfig(vocab_size=64, d_model=32, n_layers=4, n_heads=4, n_kv_heads=2, d_ff=32,
                     vocab_multiple=32, moe=dataclasses.replace(MOE, first_dense=1,
@@ -388,7 +389,7 @@ MOE_LAYERS = 4
 def _moe_gradients(mesh, layout_name, keep_gathered=False):
     """MOE_LAYERS MoE layers: (collectives of the jitted gradient, the gradients, params)."""
     import helpers
-    from jmegatron.sharding import hlo_collectives
+    from jmegatron.analysis import hlo_collectives
     from jmegatron.train import TrainConfig, make_loss_fn
     model = GPTConfig(vocab_size=64, d_model=32, n_layers=MOE_LAYERS, n_heads=4, n_kv_heads=2,
                       d_ff=32, vocab_multiple=32, moe=dataclasses.replace(MOE, bias_rate=0.01),

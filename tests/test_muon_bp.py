@@ -20,10 +20,11 @@ import pytest
 from flax import nnx
 
 from helpers import grads_of, ns_roundoff, optimizer_step, relative_miss, three_steps
+from jmegatron.analysis import hlo_collectives
+from jmegatron.analysis.hlo import branch_collectives, periodic_bytes_per_device
 from jmegatron.models import GPT, GPTConfig
 from jmegatron.optim import make_plan, muon, muon_bp, trainable_params
-from jmegatron.sharding import MeshConfig, hlo_collectives, make_mesh
-from jmegatron.sharding.hlo import branch_collectives, periodic_bytes_per_device
+from jmegatron.sharding import MeshConfig, make_mesh
 from jmegatron.sharding.layouts import make_layout
 from jmegatron.sharding.rules import spec_axes
 from jmegatron.train import create_train_state

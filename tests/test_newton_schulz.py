@@ -8,12 +8,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jmegatron.analysis import parse_collectives
 from jmegatron.optim import (COEFFICIENT_SETS, CoefficientSet, TensorParallel, coefficient_set,
                              muon, newton_schulz, ns_flops, tp_newton_schulz)
 from jmegatron.optim.kernels import syrk_flops
 from jmegatron.optim.newton_schulz import resolve_method
 from jmegatron.optim.tensor_parallel import _distributed_method
-from jmegatron.sharding import MeshConfig, make_mesh, parse_collectives
+from jmegatron.sharding import MeshConfig, make_mesh
 
 NS = jax.jit(newton_schulz, static_argnames=("steps", "coefficients", "matmul_dtype", "method",
                                              "restart"))

@@ -18,10 +18,11 @@ from flax import nnx
 import helpers
 from cli_runs import SMALL, main
 from experiments.train import parse
+from jmegatron.analysis import hlo, hlo_collectives
 from jmegatron.models import GPTConfig, MoEConfig, qk_clipper
 from jmegatron.models.gpt import real_layers, ungroup
 from jmegatron.optim import trainable_params
-from jmegatron.sharding import MeshConfig, hlo, hlo_collectives, make_mesh, nested
+from jmegatron.sharding import MeshConfig, make_mesh, nested
 from jmegatron.sharding.layouts import make_layout
 from jmegatron.sharding.pipeline import PipelineRunner, bubble
 from jmegatron.sharding.stacks import stack_of

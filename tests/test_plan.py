@@ -16,10 +16,11 @@ import optax
 import pytest
 from flax import nnx
 
+from jmegatron.analysis import hlo_collectives
 from jmegatron.models import GPT, GPTConfig
 from jmegatron.models.sharded import create_sharded
 from jmegatron.optim import PlanSpec, make_plan, muon, scale_by_muon, trainable_params
-from jmegatron.sharding import MeshConfig, hlo_collectives, make_mesh
+from jmegatron.sharding import MeshConfig, make_mesh
 from jmegatron.sharding.layouts import LAYOUTS, make_layout
 from jmegatron.train import create_train_state
 from jmegatron.train.checkpoint import leaf_codecs

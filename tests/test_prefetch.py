@@ -11,10 +11,10 @@ import pytest
 from flax import nnx
 
 import helpers
+from jmegatron.analysis.hlo import loop_collectives
 from jmegatron.models import GPT, GPTConfig
 from jmegatron.models.gpt import ungroup
 from jmegatron.sharding import MeshConfig, make_mesh
-from jmegatron.sharding.hlo import loop_collectives
 from jmegatron.train import ScheduleConfig, TrainConfig, make_loss_fn
 
 MODEL = GPTConfig(vocab_size=300, d_model=64, n_layers=4, n_heads=4, n_kv_heads=2,

@@ -9,10 +9,10 @@ import pytest
 from flax import nnx
 
 from experiments import project_scale as ps
+from jmegatron.analysis import cost_model as cm
+from jmegatron.analysis import hlo_collectives
 from jmegatron.models import GPT
 from jmegatron.optim import trainable_params
-from jmegatron.sharding import cost_model as cm
-from jmegatron.sharding import hlo_collectives
 from jmegatron.train import create_train_state
 from jmegatron.train.config import MuonBPConfig
 

@@ -13,10 +13,11 @@ from flax import nnx
 from jax.sharding import NamedSharding
 
 import helpers
+from jmegatron.analysis import hlo_collectives
 from jmegatron.models import GPT, GPTConfig, clip_scales, create_sharded, qk_clip, qk_clipper
 from jmegatron.models.layers import rms_norm, rope
-from jmegatron.sharding import (DEFAULT_RULES, MeshConfig, activation_sharding, hlo_collectives,
-                                logical_to_spec, make_mesh)
+from jmegatron.sharding import (DEFAULT_RULES, MeshConfig, activation_sharding, logical_to_spec,
+                                make_mesh)
 from jmegatron.train import ScheduleConfig, TrainConfig, make_loss_fn, make_train_step
 from jmegatron.train.config import ConfigError
 

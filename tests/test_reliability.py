@@ -26,13 +26,13 @@ import pytest
 
 from cli_runs import RUN, SMALL, cli, main
 from experiments import train as train_cli
+from jmegatron.analysis import hlo_collectives
 from jmegatron.train import TrainConfig, Trainer, run_folder
+from jmegatron.train import loop
 from jmegatron.train.checkpoint import (CheckpointConfig, CheckpointDamaged, Checkpointer,
                                         LeafCodec, abstract_of)
 from jmegatron.train.checksum import checksums_by_leaf, tree_checksums
-from jmegatron.train import loop
 from jmegatron.train.loop import perplexity
-from jmegatron.sharding import hlo_collectives
 
 
 @pytest.fixture(scope="module")

@@ -3,7 +3,7 @@ from jax.sharding import PartitionSpec as P
 
 from jmegatron.models import GPTConfig, validate_sharding
 from jmegatron.models.config import ConfigError
-from jmegatron.sharding import (DATA_PARALLEL_RULES, DEFAULT_RULES, MeshConfig,
+from jmegatron.sharding import (DATA_PARALLEL_RULES, DEFAULT_RULES, MeshConfig, axis_roles,
                                 check_divisible, logical_to_spec, with_rules)
 
 
@@ -73,3 +73,18 @@ def test_vocab_sharing_a_mesh_axis_with_the_batch_is_refused():
     with pytest.raises(ValueError, match=r"act_vocab and batch both use mesh axes \['fsdp'\]"):
         validate_sharding(GPTConfig().pad_vocab(2).logical_dims(),
                           MeshConfig(data=2, fsdp=2, tensor=2).resolve(8).sizes(), rules, 8)
+
+
+def test_the_rules_declare_what_each_mesh_axis_does():
+    """The batch, sequence and stage roles are the rules' mapping of those logical axes;
+    a rules table that splits the sequence adds that axis to the gradient's sum."""
+    roles = axis_roles(DEFAULT_RULES)
+    assert (roles.batch, roles.sequence, roles.stages) == (("data", "fsdp", "expert"), (),
+                                                           ("stage",))
+    assert roles.gradient_sum == ("data", "fsdp", "expert")
+    assert roles.ranks({"stage": 2, "data": 2, "fsdp": 3, "expert": 1, "tensor": 4}) == 6
+    assert roles.ranks({"stage": 2, "tensor": 4}, "stages") == 2
+    assert axis_roles(DATA_PARALLEL_RULES).batch == roles.batch
+    split = axis_roles(with_rules(DEFAULT_RULES, seq="tensor"))
+    assert split.sequence == ("tensor",)
+    assert split.gradient_sum == ("data", "fsdp", "expert", "tensor")

@@ -6,10 +6,11 @@ import pytest
 from flax import nnx
 from jax.sharding import NamedSharding
 
+from jmegatron.analysis import hlo_collectives
 from jmegatron.models import GPT, GPTConfig, create_sharded
 from jmegatron.models.layers import Block
-from jmegatron.sharding import (DEFAULT_RULES, MeshConfig, activation_sharding,
-                                hlo_collectives, logical_to_spec, make_mesh)
+from jmegatron.sharding import (DEFAULT_RULES, MeshConfig, activation_sharding, logical_to_spec,
+                                make_mesh)
 
 CFG = GPTConfig(d_model=64, n_layers=1, n_heads=4, n_kv_heads=2, d_ff=128)
 B, T = 8, 16

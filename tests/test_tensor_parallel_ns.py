@@ -8,12 +8,12 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from jmegatron.analysis import hlo_collectives
 from jmegatron.models import GPT, GPTConfig, create_sharded
 from jmegatron.optim import (PlanSpec, Routing, TPCostModel, TensorParallel, describe, muon,
                              newton_schulz, scale_by_muon, tp_newton_schulz, update_scale)
 from jmegatron.optim.tensor_parallel import tp_note
-from jmegatron.sharding import (DEFAULT_RULES, MeshConfig, hlo_collectives, logical_to_spec,
-                                make_mesh)
+from jmegatron.sharding import DEFAULT_RULES, MeshConfig, logical_to_spec, make_mesh
 
 SHAPES = [(2, 64, 64), (2, 32, 128), (3, 128, 32)]
 

@@ -12,9 +12,10 @@ import pytest
 from flax import nnx
 
 from experiments import train as train_cli
+from jmegatron.analysis import hlo_collectives
 from jmegatron.models import GPT, GPTConfig
 from jmegatron.optim import matrix_pieces
-from jmegatron.sharding import DEFAULT_RULES, MeshConfig, hlo_collectives, make_mesh
+from jmegatron.sharding import DEFAULT_RULES, MeshConfig, make_mesh
 from jmegatron.train import (ScheduleConfig, TrainConfig, create_train_state, fit_mesh,
                              make_loss_fn, make_train_step, run_folder)
 from jmegatron.train.optimizer import make_optimizer, make_schedule

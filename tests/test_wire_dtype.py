@@ -22,10 +22,11 @@ import pytest
 from flax import nnx
 
 import helpers
+from jmegatron.analysis import hlo_collectives, parse_collectives
 from jmegatron.models import GPT, GPTConfig, MoEConfig
 from jmegatron.models.gpt import ungroup
 from jmegatron.optim import make_plan, trainable_params
-from jmegatron.sharding import MeshConfig, hlo_collectives, make_mesh, parse_collectives
+from jmegatron.sharding import MeshConfig, make_mesh
 from jmegatron.sharding.rules import compute_dtype_of, spec_axes
 from jmegatron.sharding.stacks import stack_of
 from jmegatron.train import AdamWConfig, ScheduleConfig, TrainConfig, make_loss_fn, make_train_step

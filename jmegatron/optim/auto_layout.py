@@ -23,21 +23,9 @@ and for owner its group, ``layouts.OWNER_GROUPS``, and prefetch):
                share exceeds ``MEMORY_SHARE`` of the device's memory is chosen only
                when no layout fits.
 
-What each layout sends, per trained leaf (e: the elements a rank computes with; f:
-the ZeRO-3 group (``fsdp``) the leaf is split over; R: the batch ranks holding
-copies of the same elements, over which gradients are summed):
-
-  replicated  gradients all-reduced over R.
-  layerwise   matrix stacks: gradients reduce-scattered to their owners, updated
-              params all-gathered in the master dtype; other leaves as replicated.
-  fsdp        per layer: gathered for the forward and again for the backward in the
-              compute dtype, gradients reduce-scattered, then all-reduced over the
-              other batch ranks; matrices: gathered once more for the optimizer.
-  owner       like fsdp, but a group of f layers is gathered at once, the backward
-              gathers again only with more than one group (and not with
-              ``keep_gathered``), or always where the groups move by XLA's
-              sharding constraints or are prefetched, and the optimizer gathers
-              nothing.
+What each layout sends, per trained leaf, is the layout's own model
+(``Layout.traffic`` in ``sharding.layouts``, from the pieces of ``sharding.traffic``);
+this module fills in each leaf's shapes, dtypes and owners and times the result.
 
 On a preset whose XLA makes gradient sums it places itself all-reduces
 (``Hardware.reduce_scatters``: XLA:CPU), their reduce-scatters count as all-reduces.
@@ -58,28 +46,17 @@ from typing import Mapping, NamedTuple, Sequence
 import jax
 from flax import nnx
 
+from jmegatron.analysis.cost_model import CommCost, Hardware, comm_cost, hardware, preset_for
 from jmegatron.optim.placement import place
 from jmegatron.optim.routing import MATRIX, MatrixFlops, Routing, leaf_routes, routed
 from jmegatron.sharding import rules as ax
-from jmegatron.sharding.cost_model import CommCost, Hardware, comm_cost, hardware, preset_for
-from jmegatron.sharding.layouts import (LAYOUTS, Layout, layout_label, make_layout,
-                                        owner_group_axes)
-from jmegatron.sharding.mesh import BATCH_AXES
+from jmegatron.sharding.layouts import Layout, layout_label, make_layout, owner_group_axes
+from jmegatron.sharding.traffic import LeafTraffic, RunOptions, Transfer
 
 MEMORY_SHARE = 0.8      # of the device's memory for params, gradients and state
 # Optimizer state per element, in bytes, where the caller does not say: Muon's fp32
 # momentum for matrices, AdamW's two fp32 moments for the rest.
 STATE_BYTES = (4, 8)
-
-
-class Transfer(NamedTuple):
-    """One collective a layout runs (``cost_model.CollectiveLike``)."""
-
-    kind: str
-    axes: tuple[str, ...]
-    group_size: int
-    executions: int
-    bytes_per_device: float   # per execution
 
 
 class Candidate(NamedTuple):
@@ -131,112 +108,7 @@ class LayoutEstimate:
                 f"params+grads+state{'' if self.fits else ', does not fit'})")
 
 
-class _Leaf(NamedTuple):
-    """What the model needs of one trained leaf under one layout."""
-
-    elements: int           # the whole leaf
-    local: float            # elements a device stores
-    gathered: tuple         # live ZeRO-3 mesh axes the leaf is split over (gathered to use)
-    reduced: tuple          # live batch axes holding copies (gradients summed over them)
-    sizes: Mapping[str, int]
-    master: int             # bytes per element as stored (fp32 masters: 4)
-    wire: int               # bytes per element in the compute dtype (gathers)
-    summed: int             # bytes per element of its gradient's sums (grad_dtype_of)
-    layers: int             # leading stack of layers (1: none)
-    matrix_flops: float     # the optimizer's FLOPs on the whole leaf (0: not a matrix)
-    owners: int             # ranks its matrices are dealt to (1: every rank runs them all)
-    masters_on_owners: bool = False   # layerwise: stored on its owners, gathered to compute
-
-    def size(self, axes) -> int:
-        return math.prod(self.sizes[a] for a in axes)
-
-    @property
-    def padding(self) -> float:
-        """A stack dealt to its owners in whole rounds: padded slots over real layers."""
-        return self.groups * self.owners / self.layers
-
-    @property
-    def groups(self) -> int:
-        """Rounds of ``owners`` layers (owner: the groups the stack is gathered in)."""
-        return -(-self.layers // self.owners)
-
-    @property
-    def used(self) -> float:
-        """Elements a device computes with: the stored part gathered over ZeRO-3 (and
-        over its owners, for masters kept there)."""
-        return self.local * self.size(self.gathered) * (self.owners if self.masters_on_owners
-                                                        else 1)
-
-
-def _ring(kind: str, axes: tuple, leaf: _Leaf, elements: float, width: int,
-          executions: int) -> list[Transfer]:
-    """A ring collective of ``elements`` (the whole, per device) over ``axes``."""
-    n = leaf.size(axes)
-    if n <= 1:
-        return []
-    factor = 2 if kind == "all-reduce" else 1
-    return [Transfer(kind, axes, n, executions, factor * (n - 1) / n * elements * width
-                     / executions)]
-
-
-class _Run(NamedTuple):
-    """The owner runner's options a candidate is modelled with (``GPTConfig``)."""
-
-    keep_gathered: bool = False
-    prefetch: bool = False
-    manual: bool = True   # the runner's own shard_map (else XLA's sharding constraints)
-
-
-def _replicated(leaf: _Leaf, run: _Run) -> list[Transfer]:
-    return _ring("all-reduce", leaf.reduced, leaf, leaf.used, leaf.summed, leaf.layers)
-
-
-def _layerwise(leaf: _Leaf, run: _Run) -> list[Transfer]:
-    if leaf.owners <= 1:
-        return _replicated(leaf, run)
-    # The updated params (fp32), or the masters on their owners cast to the compute
-    # dtype (Layout.masters_on_owners).
-    width = leaf.wire if leaf.masters_on_owners else leaf.master
-    gather = _ring("all-gather", leaf.reduced, leaf, leaf.used * leaf.padding, width, 1)
-    if leaf.layers % leaf.owners:   # dealt round-robin: all-reduced, each owner keeps its own
-        return _replicated(leaf, run) + gather
-    return _ring("reduce-scatter", leaf.reduced, leaf, leaf.used, leaf.summed, 1) + gather
-
-
-def _sharded(leaf: _Leaf, gathers: int, launches: int, used: float) -> list[Transfer]:
-    """ZeRO-3's traffic: ``gathers`` all-gathers and a reduce-scatter of ``used``
-    elements over the ZeRO-3 group, ``launches`` each, then the shard's sum over the
-    other batch axes."""
-    g = leaf.gathered
-    out = []
-    for _ in range(gathers):
-        out += _ring("all-gather", g, leaf, used, leaf.wire, launches)
-    out += _ring("reduce-scatter", g, leaf, used, leaf.summed, launches)
-    return out + _ring("all-reduce", leaf.reduced, leaf, used / leaf.size(g), leaf.summed,
-                       launches)
-
-
-def _fsdp(leaf: _Leaf, run: _Run) -> list[Transfer]:
-    out = _sharded(leaf, 2, leaf.layers, leaf.used)
-    if leaf.matrix_flops:   # stock FSDP-Muon gathers each whole matrix to orthogonalize it
-        out += _ring("all-gather", leaf.gathered, leaf, leaf.used, leaf.master, 1)
-    return out
-
-
-def _owner(leaf: _Leaf, run: _Run) -> list[Transfer]:
-    # Prefetch gathers every group in both passes (sharding.prefetch); so does
-    # run_constrained, even one group (measured: the default run's compiled step).
-    stack = leaf.owners > 1
-    again = ((stack and (run.prefetch or not run.manual))
-             or (leaf.groups > 1 and not run.keep_gathered))
-    return _sharded(leaf, 2 if again else 1, leaf.groups, leaf.used * leaf.padding)
-
-
-TRAFFIC = {"replicated": _replicated, "layerwise": _layerwise, "fsdp": _fsdp, "owner": _owner}
-assert set(TRAFFIC) == set(LAYOUTS)
-
-
-def _hidden(stacks: list[tuple[_Leaf, list[Transfer]]], tokens: float,
+def _hidden(stacks: list[tuple[LeafTraffic, list[Transfer]]], tokens: float,
             mesh_shape: Mapping[str, int], hw: Hardware) -> float:
     """Seconds of collectives that prefetch hides, per step: in each pass, every
     group's gather but the first runs while the group before it computes (and in
@@ -249,18 +121,11 @@ def _hidden(stacks: list[tuple[_Leaf, list[Transfer]]], tokens: float,
     weights = sum(leaf.used for leaf, _ in stacks)
     share = sum((leaf.groups - 1) / leaf.groups * leaf.used for leaf, _ in stacks) / weights
     hidden = 0.0
-    # _sharded's order: the forward's gather, then the backward's collectives.
+    # traffic.sharded's order: the forward's gather, then the backward's collectives.
     for flops_per_weight, pick in ((2, lambda t: t[:1]), (4, lambda t: t[1:])):
         comm = comm_cost([c for _, t in stacks for c in pick(t)], mesh_shape, hw).seconds
         hidden += share * min(comm, flops_per_weight * weights * tokens / hw.flops_per_s)
     return hidden
-
-
-def _manual(candidate: Candidate, mesh_shape: Mapping[str, int], rules: ax.Rules) -> bool:
-    """Whether the runners sum the gradients themselves (a shard_map manual over the
-    batch axes: layerwise's and owner's where only batch axes are live), not XLA."""
-    return candidate.layout in ("layerwise", "owner") and ax.only_batch_axes_live(
-        mesh_shape, rules)
 
 
 def _all_reduced(t: Transfer) -> Transfer:
@@ -280,7 +145,7 @@ def candidates(mesh_shape: Mapping[str, int], rules: ax.Rules = ax.DEFAULT_RULES
     live = lambda axes: any(mesh_shape.get(a, 1) > 1 for a in axes)
     zero3 = ax.mesh_axes_of(ax.EMBED, rules)
     wider = set(owner_group_axes(mesh_shape, rules)) - set(zero3)
-    out = [Candidate(name) for name, ok in (("replicated", True), ("layerwise", live(BATCH_AXES)),
+    out = [Candidate(name) for name, ok in (("replicated", True), ("layerwise", live(ax.axis_roles(rules).batch)),
                                             ("fsdp", live(zero3))) if ok]
     groups = [g for g, ok in (("fsdp", live(zero3)), ("data+fsdp", live(wider))) if ok]
     fetch = (False, True) if prefetch and ax.only_batch_axes_live(mesh_shape, rules) else (False,)
@@ -288,10 +153,10 @@ def candidates(mesh_shape: Mapping[str, int], rules: ax.Rules = ax.DEFAULT_RULES
 
 
 def _leaves(params, layout: Layout, mesh_shape: Mapping[str, int], cost: MatrixFlops,
-            routing: Routing) -> list[tuple[_Leaf, bool]]:
+            routing: Routing) -> list[tuple[LeafTraffic, bool]]:
     """(leaf, is_matrix) for every trained leaf of ``params`` under ``layout``."""
     zero3 = ax.mesh_axes_of(ax.EMBED, layout.rules)   # split element-wise (or by owner)
-    batch = [a for a in BATCH_AXES if mesh_shape.get(a, 1) > 1]
+    batch = [a for a in ax.axis_roles(layout.rules).batch if mesh_shape.get(a, 1) > 1]
     sizes = dict(mesh_shape)
     out = []
     for path, node in jax.tree.flatten_with_path(params, is_leaf=_is_variable)[0]:
@@ -307,12 +172,13 @@ def _leaves(params, layout: Layout, mesh_shape: Mapping[str, int], cost: MatrixF
         owners = _owners(layout, leaf, logical, is_matrix)
         compute, summed = ax.compute_dtype_of(node), ax.grad_dtype_of(node)
         masters = layout.masters_on_owners(compute, summed, owners, layers % owners > 0)
-        out.append((_Leaf(elements, elements / math.prod(sizes.get(a, 1) for a in spec)
-                          / (owners if masters else 1),
-                          tuple(a for a in spec if a in zero3 and sizes.get(a, 1) > 1),
-                          tuple(a for a in batch if a not in spec), sizes,
-                          jax.tree.leaves(node)[0].dtype.itemsize,
-                          compute.itemsize, summed.itemsize, layers, flops, owners, masters),
+        out.append((LeafTraffic(elements, elements / math.prod(sizes.get(a, 1) for a in spec)
+                                / (owners if masters else 1),
+                                tuple(a for a in spec if a in zero3 and sizes.get(a, 1) > 1),
+                                tuple(a for a in batch if a not in spec), sizes,
+                                jax.tree.leaves(node)[0].dtype.itemsize,
+                                compute.itemsize, summed.itemsize, layers, flops, owners,
+                                masters),
                     is_matrix))
     return out
 
@@ -372,12 +238,12 @@ def estimate(params, mesh_shape: Mapping[str, int], hw: Hardware | str,
     todo = layouts or candidates(mesh_shape, rules, prefetch and not keep_gathered)
     out = []
     for candidate in (c if isinstance(c, Candidate) else Candidate(c) for c in todo):
-        manual = _manual(candidate, mesh_shape, rules)
         layout = candidate.make(mesh_shape, rules)
-        run = _Run(keep_gathered, candidate.prefetch, manual)
+        manual = layout.sums_gradients_manually(mesh_shape)
+        run = RunOptions(keep_gathered, candidate.prefetch, manual)
         transfers, stacks, flops, memory = [], [], 0.0, 0.0
         for leaf, is_matrix in _leaves(params, layout, mesh_shape, cost, routing):
-            sent = TRAFFIC[candidate.layout](leaf, run)
+            sent = layout.traffic(leaf, run)
             transfers += sent
             slots = leaf.padding / leaf.owners   # of the stack, on the busiest rank
             split = leaf.used / leaf.elements   # tensor and expert splits

@@ -57,7 +57,7 @@ splits them, each selected, orthogonalized and scaled on its own (the
 reference refuses ``split_sizes`` for Dion2 and scales by the whole param).
 
 Under a mesh (what moves, per device and optimizer step; ring collectives as
-``jmegatron.sharding.hlo`` counts them; fp32, 4 bytes an element; a matrix's
+``jmegatron.analysis.hlo`` counts them; fp32, 4 bytes an element; a matrix's
 s slices along the selected dim have t entries each; k = ``selected_count``;
 the held state splits the s side gs ways and the t side gt ways, the matrix
 g = gs gt ways; r = (g - 1) / g):
@@ -507,7 +507,7 @@ def sharded_dion2_block(g: jax.Array, m: jax.Array, split: MatrixSplit, fan_in: 
 def sharded_bytes(split: MatrixSplit | None, fan_in: int, fan_out: int, selection: Selection,
                   fraction: float, count: int = 1, dtype_bytes: int = 4) -> float:
     """Bytes one device sends in one Dion2 step of ``count`` matrices (ring
-    collectives, as ``jmegatron.sharding.hlo`` counts them: an all-gather
+    collectives, as ``jmegatron.analysis.hlo`` counts them: an all-gather
     (g-1)/g of its result, an all-reduce 2 (g-1)/g of its buffer).
 
     Global, the selected side's s slices split gs ways, the t entries gt ways

@@ -23,8 +23,10 @@ from jmegatron.sharding import rules as ax
 from jmegatron.sharding.rules import DEFAULT_RULES, logical_axes_of
 
 MATRIX, ADAMW = "matrix", "adamw"
-BATCH_AXES = (ax.STAGES, ax.LAYER_GROUPS, ax.LAYERS, ax.EXPERTS)   # logical axes stacking matrices
-HEAD_AXES = (ax.HEADS, ax.KV_HEADS, ax.QKV)   # become batch axes in per-head mode
+# Logical axes that stack matrices (each index is a matrix of its own), and those that
+# do too in per-head mode.
+STACK_AXES = (ax.STAGES, ax.LAYER_GROUPS, ax.LAYERS, ax.EXPERTS)
+HEAD_AXES = (ax.HEADS, ax.KV_HEADS, ax.QKV)
 KNOWN_AXES = frozenset(name for name, _ in DEFAULT_RULES)
 _ADAMW_NAME = re.compile(r"(^|[_.])(embed\w*|wte|wpe|lm_head|head|unembed\w*|\w*norm\w*|ln_\w+|"
                          r"bias|\w+_bias|scale)$")
@@ -239,8 +241,8 @@ def _logical(opts, path, shape, logical) -> Route | None:
         return Route(ADAMW, "norm scale")
     if ax.EMBED not in logical:
         return Route(ADAMW, "bias (no embed axis)")
-    batch = set(BATCH_AXES) | (set(HEAD_AXES) if opts.per_head else set())
-    rest = [i for i, name in enumerate(logical) if name not in batch]
+    stacked = set(STACK_AXES) | (set(HEAD_AXES) if opts.per_head else set())
+    rest = [i for i, name in enumerate(logical) if name not in stacked]
     if len(rest) < 2 or ax.EMBED not in (logical[rest[0]], logical[rest[-1]]):
         return None
     if logical[rest[0]] == ax.EMBED:

@@ -94,6 +94,38 @@ def mesh_axes_of(logical: str | None, rules: Rules) -> tuple[str, ...]:
     return _as_tuple(table[logical])
 
 
+@dataclasses.dataclass(frozen=True)
+class AxisRoles:
+    """What the mesh axes do in a step, as a rules table declares them (``axis_roles``);
+    code outside the rules and ``mesh.py`` asks these, not for mesh axes by name.
+
+    Attributes:
+      batch: the axes that split the batch (each of their groups holds other examples).
+      sequence: the axes that split the sequence (context parallelism; none yet).
+      stages: the axes that hold pipeline stages.
+    """
+
+    batch: tuple[str, ...]
+    sequence: tuple[str, ...]
+    stages: tuple[str, ...]
+
+    @property
+    def gradient_sum(self) -> tuple[str, ...]:
+        """The axes a weight's gradient is summed over: every axis holding other tokens."""
+        return self.batch + self.sequence
+
+    def ranks(self, mesh_shape: Mapping[str, int], role: str = "batch") -> int:
+        """How many parts the axes of ``role`` cut their dimension into on ``mesh_shape``."""
+        return math.prod(mesh_shape.get(a, 1) for a in getattr(self, role))
+
+
+def axis_roles(rules: Rules) -> AxisRoles:
+    """The roles ``rules`` gives the mesh axes: those mapped to the batch, sequence and
+    stage logical axes."""
+    return AxisRoles(batch=mesh_axes_of(BATCH, rules), sequence=mesh_axes_of(SEQ, rules),
+                     stages=mesh_axes_of(STAGES, rules))
+
+
 def spec_axes(entry) -> tuple[str, ...]:
     """Mesh axes of one PartitionSpec entry (None, a name, or a tuple of names)."""
     return _as_tuple(entry)
@@ -366,7 +398,7 @@ def only_batch_axes_live(mesh_shape: Mapping[str, int], rules: Rules) -> bool:
     collectives over that axis: the weights' all-gather gathered them over tensor
     too, and every rank ran whole layers (3.7x the train-step bytes of a 7B model
     at fsdp 8 x tensor 8)."""
-    batch = set(mesh_axes_of(BATCH, rules))
+    batch = set(axis_roles(rules).batch)
     return all(size == 1 or axis in batch for axis, size in mesh_shape.items())
 
 

@@ -156,9 +156,9 @@ def choose_layout(cfg: TrainConfig, mesh: MeshConfig) -> tuple[Layout, GPTConfig
     feasible, skipped = [], {}
     for estimate in ranked:
         c = estimate.candidate
-        try:
+        try:   # a prefetched candidate's prefetch; else the user's (the others refuse it)
             feasible.append((estimate, *layout_and_model(
-                c.layout, cfg, mesh, c.owner_group, c.prefetch if c.layout == "owner" else None)))
+                c.layout, cfg, mesh, c.owner_group, c.prefetch or None)))
         except ValueError as err:
             skipped[estimate.label] = str(err)
     if not feasible:   # each reason once, with the layouts that give it

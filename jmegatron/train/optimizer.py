@@ -3,21 +3,19 @@
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 
 import jax
 import jax.numpy as jnp
 import optax
 
+from jmegatron.analysis.cost_model import hardware
 from jmegatron.optim import ADAMW, AdamW, Routing, ShardingPlan, TensorParallel, make_plan
 from jmegatron.optim.auto_layout import STATE_BYTES, LayoutEstimate, estimate, preset_of
 from jmegatron.optim.owners import ns_cost
 from jmegatron.optim.tensor_parallel import tp_note
 from jmegatron.sharding import rules as ax
-from jmegatron.sharding.cost_model import hardware
 from jmegatron.sharding.layouts import Layout
-from jmegatron.sharding.mesh import BATCH_AXES
 from jmegatron.sharding.rules import logical_axes_of
 from jmegatron.train.config import ScheduleConfig, TrainConfig
 from jmegatron.train.registry import OPTIMIZERS
@@ -86,7 +84,7 @@ def rank_layouts(cfg: TrainConfig, abstract_params, mesh_shape, device
     preset, label = preset_of(device)
     model = cfg.model
     # Tokens per device in one microbatch: what one pass of the layers computes on.
-    ranks = math.prod(v for k, v in mesh_shape.items() if k in BATCH_AXES)
+    ranks = ax.axis_roles(ax.DEFAULT_RULES).ranks(mesh_shape)   # every layout's batch split
     tokens = cfg.batch_size * cfg.seq_len / cfg.microbatches / ranks
     hides = hardware(preset).overlaps and LATENCY_HIDING in os.environ.get("XLA_FLAGS", "")
     prefetch = not any(model.moe_layers) and (hides or model.prefetch)

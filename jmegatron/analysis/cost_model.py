@@ -2,7 +2,7 @@
 ring model over stated links, each term with its source.
 
 Pure Python (no JAX): a collective is anything with the attributes of
-``jmegatron.sharding.hlo.Collective`` (``kind``, ``axes``, ``group_size``,
+``jmegatron.analysis.hlo.Collective`` (``kind``, ``axes``, ``group_size``,
 ``bytes_per_device``, ``executions``), and a mesh is its shape, a mapping of
 axis name -> size in the mesh's axis order.
 
