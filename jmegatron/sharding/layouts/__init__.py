@@ -2,36 +2,14 @@
 and which device computes each matrix's update; one class each (``base.Layout``),
 in a module of its own:
 
-  replicated  params and state replicated over the data axes (plain data
-              parallelism); every rank runs every Newton-Schulz.
-  layerwise   Megatron's distributed optimizer: params replicated; the state
-              of each whole matrix lives on one data rank (the stack axis of
-              every matrix stack split over the data axes, padded when it
-              does not divide, and Muon skips the padding; MoE expert stacks
-              keep `expert` and split their layers over the other data axes);
-              ``assignment`` says which rank owns which matrix where the owners
-              do not divide a stack; gradients reach the owners (a dense stack
-              the owners divide by one reduce-scatter: ``sharding.scatter``),
-              owners compute the update, updated params are all-gathered. A
-              model computing in bf16 keeps the fp32 params of stacks their
-              owners divide on those owners, with their state (Megatron's
-              fp32 masters), and each step gathers them once, in bf16
-              (``masters_on_owners``, ``ShardingPlan.model_weights``).
-  fsdp        ZeRO-3: params and state split element-wise over ``fsdp``
-              (along ``embed``); Newton-Schulz first gathers each whole
-              matrix on every rank ("stock FSDP-Muon", the baseline).
-  owner       MatrixFSDP: params and state of each whole matrix live on one
-              ``fsdp`` rank. Block weights are stacked [G, f, ...] with the
-              f axis split over ``fsdp`` (round-robin: layer l on rank l % f;
-              G = ceil(L / f), the last group padded with layers the forward
-              skips); the forward gathers one group of f layers at a time and
-              the backward reduce-scatters their gradients back to the owners
-              (MoE stacks: XLA's collectives, see ``rules.run_constrained``),
-              so the optimizer step needs no communication. Non-matrix params
-              (embedding, head, norms) stay element-wise ZeRO-3: for AdamW's
-              element-wise step, whole "tail" owners would only hold and move
-              more (``experiments.bench_layouts`` prints both).
+  replicated  plain data parallelism (``replicated.py``);
+  layerwise   Megatron's distributed optimizer: each whole matrix's state on one
+              data rank (``layerwise.py``);
+  fsdp        ZeRO-3, element-wise over ``fsdp`` (``fsdp.py``);
+  owner       MatrixFSDP: each whole matrix on one ``fsdp`` rank, so the optimizer
+              step needs no communication (``owner.py``).
 
+Each module's docstring says where its params, gradients and state live.
 Tensor parallelism composes with all four (the tensor axis keeps Megatron's
 rules; see ``jmegatron.optim.tensor_parallel``), and so do pipeline stages:
 each layout's ``runner`` then runs the stacks through the pipeline
