@@ -2,19 +2,21 @@
 
     python -m experiments.bench_pipeline [--small] [--stages 2 4] [--per-stage 1 2 4]
                                          [--schedules gpipe circular 1f1b] [--repeats 2]
-                                         [--optim adamw] [--out PATH]
+                                         [--optim adamw] [--layout fsdp] [--out PATH]
 
 On 8 devices, a GPT of 8 layers (D = 512; 256 with --small) with AdamW (or
 --optim's optimizer; Muon under fsdp orthogonalizes every matrix on every rank,
 so its step shrinks with the stages and hides the pipeline's own cost) under
-the fsdp layout: the baseline without a pipeline on fsdp 8, then for each S
+the fsdp layout (or --layout's): the baseline without a pipeline on fsdp 8, then for each S
 stages (stage S x fsdp 8/S) and M = k * S microbatches (k of --per-stage) each
 schedule (gpipe, circular with V chunks a stage for each V of --repeats, 1f1b):
 the train step's time and its ratio to the baseline's; the bubble as modelled
 (``sharding.pipeline.bubble``) and as compiled (T ticks, the trip count of the
 loop that sends the activations on: (T - V M) / T); the bytes per device
 the collective-permutes across ``stage`` move per step, and everything else
-that crosses it; and the train step's temporaries per device (XLA's memory
+that crosses it; the bytes per device of the sums over the batch axes (the
+gradients', once a step where ``Layout.pipeline_batch_axes`` names them, else
+each microbatch's: they grow with M); and the train step's temporaries per device (XLA's memory
 analysis). An idle stage's tick computes on zeros, so the devices' work
 together is 1 / (1 - bubble) of the unpipelined step's, 4/3 of that for 1f1b,
 which runs each forward twice ("work vs none"); on 8 virtual devices sharing 2
@@ -37,7 +39,7 @@ from experiments.bench_common import argv, best_time, print_table, write_results
 from jmegatron.analysis import hlo_collectives
 from jmegatron.models import GPT, GPTConfig
 from jmegatron.sharding import MeshConfig, make_mesh
-from jmegatron.sharding.layouts import make_layout
+from jmegatron.sharding.layouts import LAYOUTS, make_layout
 from jmegatron.sharding.pipeline import SCHEDULES, bubble
 from jmegatron.train import TrainConfig, create_train_state
 from jmegatron.train.optimizer import make_optimizer
@@ -55,11 +57,11 @@ def model_config(small: bool) -> GPTConfig:
 
 
 def build(model: GPTConfig, stages: int, microbatches: int, repeats: int, schedule: str,
-          optim: str, batch: int = BATCH):
+          optim: str, layout_name: str, batch: int = BATCH):
     """(train step, state, tokens) of ``model`` on stage S x fsdp 8/S (S = 1: no
     pipeline) under ``schedule`` (circular: ``repeats`` chunks a stage)."""
     mesh = make_mesh(MeshConfig(stage=stages, data=1, fsdp=8 // stages))
-    layout = make_layout("fsdp", mesh.shape, repeats=repeats,
+    layout = make_layout(layout_name, mesh.shape, repeats=repeats,
                          schedule=schedule if stages > 1 else None)
     cfg = dataclasses.replace(model, **layout.stack_fields)
     make_model = lambda: GPT(cfg, nnx.Rngs(0))
@@ -75,11 +77,14 @@ def build(model: GPTConfig, stages: int, microbatches: int, repeats: int, schedu
 
 
 def measure(model: GPTConfig, stages: int, microbatches: int, repeats: int, schedule: str,
-            optim: str) -> dict:
+            optim: str, layout_name: str) -> dict:
     """One row of the schedule table: the batch of BATCH rows in M microbatches."""
-    step, state, tokens = build(model, stages, microbatches, repeats, schedule, optim)
+    step, state, tokens = build(model, stages, microbatches, repeats, schedule, optim,
+                                layout_name)
     report = hlo_collectives(step, state, tokens)
     crossing = [c for c in report.collectives if c.axes is None or "stage" in c.axes]
+    sums = [c for c in report.collectives if c.kind in ("all-reduce", "reduce-scatter")
+            and c.axes and set(c.axes) <= {"data", "fsdp", "expert"}]
     permutes = [c for c in crossing if c.kind == "collective-permute"]
     n_ticks = max((c.executions for c in permutes), default=0)
     moved = lambda cs: sum(c.bytes_per_device * c.executions for c in cs)
@@ -98,15 +103,16 @@ def measure(model: GPTConfig, stages: int, microbatches: int, repeats: int, sche
             "bubble_hlo": (n_ticks - repeats * microbatches) / n_ticks if n_ticks else 0.0,
             "permute_bytes_per_device": moved(permutes),
             "other_stage_bytes_per_device": moved([c for c in crossing if c not in permutes]),
+            "batch_sum_bytes_per_device": moved(sums),
             "temp_bytes_per_device": temp}
 
 
 def temporaries(model: GPTConfig, stages: int, microbatches: int, repeats: int, schedule: str,
-                optim: str) -> dict:
+                optim: str, layout_name: str) -> dict:
     """One row of the memory table: M microbatches of MICRO_ROWS rows each (the batch
     grows with M), compiled only."""
     step, state, tokens = build(model, stages, microbatches, repeats, schedule, optim,
-                                MICRO_ROWS * microbatches)
+                                layout_name, MICRO_ROWS * microbatches)
     temp = step.lower(state, tokens).compile().memory_analysis().temp_size_in_bytes
     activations = MICRO_ROWS // (8 // stages) * SEQ * model.d_model * 4
     return {"schedule": f"circular V={repeats}" if repeats > 1 else schedule,
@@ -137,6 +143,7 @@ def parser() -> argparse.ArgumentParser:
     parser.add_argument("--repeats", type=int, nargs="+", default=[2],
                         help="chunks a stage V of the circular schedule (2 and more)")
     parser.add_argument("--optim", default="adamw", choices=optimizer_names())
+    parser.add_argument("--layout", default="fsdp", choices=LAYOUTS)
     parser.add_argument("--out", default=None)
     return parser
 
@@ -147,9 +154,9 @@ def main(args_list: list[str] | None = None) -> list[dict]:
     args.per_stage = args.per_stage or ([1] if args.small else [1, 2, 4])
     jax.config.update("jax_num_cpu_devices", 8)
     model = model_config(args.small)
-    rows = [measure(model, 1, 1, 1, "gpipe", args.optim)]
-    rows += [measure(model, s, k * s, v, name, args.optim) for v, name in variants(args)
-             for s in args.stages for k in args.per_stage]
+    rows = [measure(model, 1, 1, 1, "gpipe", args.optim, args.layout)]
+    rows += [measure(model, s, k * s, v, name, args.optim, args.layout)
+             for v, name in variants(args) for s in args.stages for k in args.per_stage]
     for r in rows:
         r["step_vs_none"] = r["step_ms"] / rows[0]["step_ms"]
         # Every stage computes on every tick, idle ones on zeros: the devices' work
@@ -158,7 +165,7 @@ def main(args_list: list[str] | None = None) -> list[dict]:
         # also recomputes each forward: 4/3 of the layers' forward + backward.
         r["work_vs_none"] = (4 / 3 if r["schedule"] == "1f1b" else 1) / (1 - r["bubble_model"])
     print(f"model: {model.n_layers} layers, D={model.d_model}, F={model.d_ff}, "
-          f"{model.param_count() / 1e6:.1f}M params; batch {BATCH} x {SEQ}; fsdp layout, "
+          f"{model.param_count() / 1e6:.1f}M params; batch {BATCH} x {SEQ}; {args.layout} layout, "
           f"{args.optim}; stage S x fsdp 8/S")
     print_table(rows, [("schedule", "schedule", ""), ("stages", "S", "d"),
                        ("microbatches", "M", "d"), ("step_ms", "train step ms", ".0f"),
@@ -168,9 +175,10 @@ def main(args_list: list[str] | None = None) -> list[dict]:
                        ("bubble_hlo", "bubble compiled", ".1%"),
                        ("permute_bytes_per_device", "permute bytes/dev", ",.0f"),
                        ("other_stage_bytes_per_device", "other bytes across stage/dev", ",.0f"),
+                       ("batch_sum_bytes_per_device", "batch-axis sums bytes/dev", ",.0f"),
                        ("temp_bytes_per_device", "temp/dev", ",.0f")])
-    memory = [temporaries(model, s, k * s, v, name, args.optim) for v, name in variants(args)
-              for s in args.stages for k in args.per_stage]
+    memory = [temporaries(model, s, k * s, v, name, args.optim, args.layout)
+              for v, name in variants(args) for s in args.stages for k in args.per_stage]
     print(f"\ntemporaries with M microbatches of {MICRO_ROWS} rows (the batch grows with M); "
           f"one microbatch's activations [{MICRO_ROWS}/fsdp, {SEQ}, {model.d_model}] fp32 "
           "per device as the unit")

@@ -15,12 +15,15 @@ loop-invariant part out of the loop. The JAX source marks the spot with a TODO
 ``fix_residual_specs`` makes that spec name only the axes the map itself makes
 manual (its ``all_names``): a value's variance over the outer axes is carried
 by the enclosing map, as for every other value inside it. It patches
-``ShapedArray.nospec`` once at import, only where the installed JAX has the
-bug; a JAX whose ``nospec`` is fixed or changed is left alone.
+``ShapedArray.nospec`` once, when a pipeline builds its map
+(``pipeline.over_stages`` calls ``nested_maps_differentiate``), only where the
+installed JAX has the bug; a JAX whose ``nospec`` is fixed or changed is left
+alone, and a program without pipeline stages runs on JAX as installed.
 """
 
 from __future__ import annotations
 
+import functools
 import types
 from typing import Callable
 
@@ -67,7 +70,11 @@ def fix_residual_specs() -> bool:
     return not _names_outer_axes(ShapedArray.nospec)
 
 
-NESTED_MAPS_DIFFERENTIATE = fix_residual_specs()
+@functools.cache
+def nested_maps_differentiate() -> bool:
+    """Whether a ``shard_map`` inside another's manual region differentiates on this
+    JAX, fixing it first (``fix_residual_specs``, once per process)."""
+    return fix_residual_specs()
 
 
 def shard_map(body: Callable, mesh, in_specs: tuple, out_specs) -> Callable:
@@ -75,7 +82,7 @@ def shard_map(body: Callable, mesh, in_specs: tuple, out_specs) -> Callable:
     already (inside a pipeline stage: all but ``stage``; ``mesh`` is then the
     stage's abstract mesh)."""
     manual = set(jax.sharding.get_abstract_mesh().manual_axes)
-    if manual and not NESTED_MAPS_DIFFERENTIATE:
+    if manual and not nested_maps_differentiate():
         raise ValueError(f"a shard_map inside one manual over {sorted(manual)} (a pipeline "
                          f"stage) does not differentiate on jax {jax.__version__}, whose "
                          "internals jmegatron's fix does not know: train without --mesh.stage")

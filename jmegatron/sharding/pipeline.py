@@ -46,6 +46,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
+from jmegatron.sharding import nested
 from jmegatron.sharding.rules import (ACT_EMBED, BATCH, SEQ, STAGES, active_mesh_and_rules,
                                      activation_sharding, constrain, logical_axes_of,
                                      mesh_axes_of, sum_dtype)
@@ -187,7 +188,6 @@ class PipelineRunner(StackRunner):
         m, s_count, v = self.microbatches, self.stages, self.repeats
         stage = jax.lax.axis_index(axis)
         pairs = [(i, (i + 1) % s_count) for i in range(s_count if v > 1 else s_count - 1)]
-        varying = lambda a: jax.lax.pcast(a, axis, to="varying")
         run_chunk = lambda x, r: self.run_chunk(stack, blocks, x, r)
 
         # Varying from here: the input's gradient is summed over the stages once, not
@@ -223,7 +223,8 @@ class PipelineRunner(StackRunner):
         return last, jax.tree.map(lambda a: a.reshape(v, m, *a.shape[1:])[None], stats)
 
 
-def over_stages(fn, mesh: jax.sharding.Mesh, rules) -> Callable:
+def over_stages(fn, mesh: jax.sharding.Mesh, rules, batch_axes: tuple[str, ...] = (),
+                combine: Callable = lambda out: out) -> Callable:
     """``fn(mesh, params, *args)`` run manual over the stage axis, as
     ``(params, *args) -> fn's outputs``: the leaves of ``params`` stacked over
     ``stages`` arrive as this stage's blocks [1, ...], every other leaf and
@@ -234,8 +235,17 @@ def over_stages(fn, mesh: jax.sharding.Mesh, rules) -> Callable:
     embedding, head and loss are then one replicated computation per stage that
     XLA cannot split over the stage axis (left to it, it did, and moved weight-
     sized buffers across stages), and the pipeline inside runs on the blocks
-    it is given (``PipelineRunner``)."""
+    it is given (``PipelineRunner``).
+
+    With ``batch_axes`` (``Layout.pipeline_batch_axes``) the map is manual over them
+    too: the arguments arrive split over them along dim 0 (each rank's own rows),
+    and the params, whole on every batch rank, are cast to varying over them before
+    ``fn`` runs, so that autodiff sums their gradients over the batch axes once, at
+    that cast's transpose, and not at every tick of the pipeline; ``combine`` makes
+    ``fn``'s outputs the same on every batch rank. ``fn`` then runs its stage as one
+    device would: it must not constrain activations over ``batch_axes``."""
     axis = mesh_axes_of(STAGES, rules)
+    nested.nested_maps_differentiate()   # the layers' own maps differentiate inside
 
     def mapped(params, *args):
         specs = [P(axis) if staged(v) else P()
@@ -243,11 +253,15 @@ def over_stages(fn, mesh: jax.sharding.Mesh, rules) -> Callable:
         treedef = jax.tree.structure(params)
 
         def body(leaves, *args):
-            return fn(jax.sharding.get_abstract_mesh(), treedef.unflatten(leaves), *args)
+            if batch_axes:   # each rank's own gradients from here: summed at this cast
+                leaves = [jax.lax.pcast(leaf, batch_axes, to="varying") for leaf in leaves]
+            return combine(fn(jax.sharding.get_abstract_mesh(), treedef.unflatten(leaves),
+                              *args))
 
-        return jax.shard_map(body, mesh=mesh, in_specs=(specs, *[P()] * len(args)),
-                             out_specs=P(), axis_names=set(axis))(jax.tree.leaves(params),
-                                                                  *args)
+        rows = P(batch_axes) if batch_axes else P()
+        return jax.shard_map(body, mesh=mesh, in_specs=(specs, *[rows] * len(args)),
+                             out_specs=P(), axis_names=set(axis) | set(batch_axes))(
+                                 jax.tree.leaves(params), *args)
     return mapped
 
 
@@ -269,6 +283,18 @@ def staged_leaves(params):
 
     return ([x for x, f in zip(leaves, flags) if not f], [x for x, f in zip(leaves, flags) if f],
             rebuild)
+
+
+def varying(tree):
+    """The arrays of ``tree`` typed as varying over every manual axis of the enclosing
+    map they do not vary over yet (a tick loop's carry: the ticks' values vary over
+    all of them)."""
+    manual = jax.sharding.get_abstract_mesh().manual_axes
+
+    def cast(a):
+        missing = tuple(axis for axis in manual if axis not in nested.varying_axes(a))
+        return jax.lax.pcast(a, missing, to="varying") if missing else a
+    return jax.tree.map(cast, tree)
 
 
 def at(buf: jax.Array, i) -> jax.Array:

@@ -44,7 +44,7 @@ import jax
 import jax.numpy as jnp
 
 from jmegatron.sharding import nested
-from jmegatron.sharding.pipeline import at, keep
+from jmegatron.sharding.pipeline import at, keep, varying
 from jmegatron.sharding.rules import ACT_EMBED, BATCH, SEQ, constrain
 from jmegatron.sharding.runners import Stack
 from jmegatron.sharding.stacks import StackShape
@@ -89,7 +89,6 @@ def _schedule(runner, stack: Stack, pieces: Pieces, axis, rest, staged, tokens):
     m, s_count = runner.microbatches, runner.stages
     ring = 2 * s_count - 1
     stage = jax.lax.axis_index(axis)
-    varying = lambda a: jax.lax.pcast(a, axis, to="varying")
     b = tokens.shape[0] // m
     micro = tokens.reshape(b, m, tokens.shape[1]).swapaxes(0, 1)   # rows k, k + M, ...
     masked = lambda tree, ok: jax.tree.map(lambda g: jnp.where(ok, g, 0).astype(g.dtype), tree)

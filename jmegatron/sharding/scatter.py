@@ -39,7 +39,8 @@ def run_stack(run: RunStack, x: jax.Array, leaves: Sequence[jax.Array],
     mesh axes ``owners`` (the layerwise layout's), in its ``reduce_dtypes`` entry.
 
     Runs in ``jax.shard_map``, manual over every mesh axis. Just ``run(x, leaves)``,
-    and XLA's all-reduce, without an active mesh, without owners, for a stack the
+    and XLA's all-reduce, without an active mesh, inside a map already manual over
+    the owners (a pipeline stage's: ``Layout.pipeline_batch_axes``), without owners, for a stack the
     owners do not divide (the layerwise state pads and deals those round-robin), or
     where an axis other than the batch axes is live (``only_batch_axes_live``).
 
@@ -59,6 +60,10 @@ def run_stack(run: RunStack, x: jax.Array, leaves: Sequence[jax.Array],
     if active is None:
         return run(x, list(leaves))
     mesh, rules = active
+    if set(owners) & set(jax.sharding.get_abstract_mesh().manual_axes):
+        # A pipeline stage manual over the batch axes: it sums the whole step's
+        # gradients over them itself, once (pipeline.over_stages).
+        return run(x, list(leaves))
     split = manual_split(mesh, rules, tuple(owners), [() for _ in leaves])
     owners = split.owners
     if not owners or leaves[0].shape[0] % axis_size(mesh, owners):

@@ -20,7 +20,7 @@ from jmegatron.sharding import rules as ax
 from jmegatron.sharding.layouts import Layout
 from jmegatron.sharding.pipeline import over_stages, staged_leaves
 from jmegatron.sharding.pipeline_1f1b import Pieces, one_f_one_b
-from jmegatron.sharding.rules import Rules, activation_sharding, logical_to_spec
+from jmegatron.sharding.rules import Rules, activation_sharding, logical_to_spec, without_axes
 from jmegatron.sharding.runners import running
 from jmegatron.train.optimizer import Optimizer, group_update_rms
 from jmegatron.train.state import TrainState, split_trained
@@ -38,24 +38,47 @@ def make_loss_fn(graphdef: nnx.GraphDef, model_cfg: GPTConfig, mesh: jax.shardin
     over ``microbatches`` inside the pipeline), vocab-parallel loss; plus the weighted
     MoE losses, with the MoE metrics (``moe_losses``), for MoE models; and the largest
     attention logit per layer and head."""
-    rules = layout.rules
     runner = layout.runner(model_cfg.prefetch, model_cfg.keep_gathered, microbatches)
-    if layout.stages > 1 and layout.schedule == "1f1b":
-        return over_stages(one_f_one_b_loss(graphdef, model_cfg, runner, rules, z_loss),
-                           mesh, rules)
+    if layout.stages == 1:
+        return functools.partial(plain_loss(graphdef, model_cfg, runner, layout.rules, z_loss),
+                                 mesh)
+    # Each stage runs its own blocks (sharding.pipeline), manual over the batch axes too
+    # where the layout's stage weights are whole on every batch rank: their gradients
+    # are then summed once per step.
+    batch_axes = layout.pipeline_batch_axes(model_cfg, mesh.shape)
+    rules = without_axes(layout.rules, batch_axes)
+    loss_on = (one_f_one_b_loss if layout.schedule == "1f1b" else plain_loss)(
+        graphdef, model_cfg, runner, rules, z_loss)
+    return over_stages(loss_on, mesh, rules, batch_axes,
+                       functools.partial(same_on_every_rank, axes=batch_axes))
+
+
+def plain_loss(graphdef: nnx.GraphDef, cfg: GPTConfig, runner, rules: Rules, z_loss: float):
+    """``loss_on(mesh, params, tokens)`` of make_loss_fn: the model run by ``runner``
+    (JAX differentiates it), its activations pinned by ``rules`` on ``mesh``."""
 
     def loss_on(mesh, params, tokens):
         with activation_sharding(mesh, rules), running(runner):
             logits, model_aux = nnx.merge(graphdef, params)(tokens[:, :-1], return_aux=True)
-        loss, aux = cross_entropy(logits, tokens[:, 1:], model_cfg.vocab_size, z_loss=z_loss,
+        loss, aux = cross_entropy(logits, tokens[:, 1:], cfg.vocab_size, z_loss=z_loss,
                                   mesh=mesh, rules=rules)
-        moe_loss, moe_metrics = moe_losses(model_aux.moe, model_cfg.moe)
+        moe_loss, moe_metrics = moe_losses(model_aux.moe, cfg.moe)
         return loss + moe_loss, {**aux, **moe_metrics,
                                  "max_attention_logit": model_aux.max_logit}
 
-    if layout.stages > 1:   # each stage runs its own blocks (sharding.pipeline)
-        return over_stages(loss_on, mesh, rules)
-    return functools.partial(loss_on, mesh)
+    return loss_on
+
+
+def same_on_every_rank(out, axes: tuple[str, ...]):
+    """A loss function's (loss, aux) on one batch rank's rows -> those of the whole
+    batch, on every rank of ``axes``: the mean over the ranks (each holds as many
+    tokens), the PEAKS' maximum (aux, not differentiated)."""
+    if not axes:
+        return out
+    loss, aux = out
+    over = lambda k, v: (jax.lax.pmax if k in PEAKS else jax.lax.pmean)(
+        jax.lax.stop_gradient(v), axes)
+    return jax.lax.pmean(loss, axes), {k: over(k, v) for k, v in aux.items()}
 
 
 def one_f_one_b_loss(graphdef: nnx.GraphDef, cfg: GPTConfig, runner, rules: Rules,

@@ -11,7 +11,8 @@ from typing import ClassVar, Mapping
 from jax.sharding import PartitionSpec as P
 
 from jmegatron.sharding.pipeline import PipelineRunner
-from jmegatron.sharding.rules import (BATCH, STAGES, VOCAB, Rules, check_vocab_apart_from_batch,
+from jmegatron.sharding.rules import (ACTIVATION_AXES, BATCH, STAGES, VOCAB, Rules, axis_roles,
+                                     check_vocab_apart_from_batch,
                                      indivisible, logical_to_spec, mesh_axes_of, split_size,
                                      with_rules)
 from jmegatron.sharding.runners import ScanRunner, StackRunner
@@ -208,6 +209,27 @@ class Layout:
         """Whether this layout's runners sum the gradients themselves (a ``shard_map``
         manual over the batch axes), not XLA's partitioner."""
         return False
+
+    def pipeline_batch_axes(self, model, mesh_shape: Mapping[str, int]) -> tuple[str, ...]:
+        """The batch axes a pipeline stage's map is manual over besides the stages'
+        (``pipeline.over_stages``): there each rank runs its own rows as one device
+        would and its weights' gradients, unreduced over the microbatches, are summed
+        over the batch axes once per step, not at every tick. All the live batch axes
+        where, with the stages', they are the only live ones, none splits a param
+        (the stage's weights are whole on every batch rank: replicated, layerwise,
+        and owner or fsdp whose group has one rank), and ``model`` has no MoE layer
+        (its routing takes statistics over the whole batch inside a layer); else
+        none, and XLA sums each tick's gradients as it computes them (ZeRO-3's
+        reduce-scatter per microbatch, for fsdp and owner)."""
+        roles = axis_roles(self.rules)
+        live = {a for a, n in mesh_shape.items() if n > 1}
+        batch = tuple(a for a in roles.batch if a in live)
+        param_axes = {a for name, entry in self.rules if name not in ACTIVATION_AXES
+                      for a in mesh_axes_of(name, self.rules)}
+        if (self.stages == 1 or live - set(batch) - set(roles.stages)
+                or param_axes & set(batch) or any(model.moe_layers)):
+            return ()
+        return batch
 
     def masters_on_owners(self, compute_dtype, grad_dtype, stack_owners: int,
                           dealt: bool) -> bool:
