@@ -419,8 +419,9 @@ def test_1f1b_runs_its_ticks_and_only_activations_cross_stages_in_them(m, stage2
 @pytest.fixture(scope="module")
 def batch_sums():
     """{(schedule, M): (bytes per device that the train step's all-reduces and
-    reduce-scatters over data and fsdp send, the most times one of them runs)}
-    under layerwise at stage 2 x data 2 x fsdp 2, M microbatches of 4 rows."""
+    reduce-scatters over data and fsdp send, the most times one of them runs, and
+    at M = 4 the params after three steps)} under layerwise at stage 2 x data 2 x
+    fsdp 2, M microbatches of 4 rows."""
     mesh = make_mesh(MeshConfig(stage=2, data=2, fsdp=2))
     out = {}
     for train, m in itertools.product((TRAIN, CIRCULAR, ONE_F_ONE_B), (4, 8)):
@@ -429,22 +430,25 @@ def batch_sums():
         report = hlo_collectives(step, state, jax.device_put(tokens))
         sums = [c for c in report.collectives if c.kind in ("all-reduce", "reduce-scatter")
                 and c.axes and set(c.axes) <= {"data", "fsdp"}]
+        for tokens in batches() if m == 4 else ():   # B = 16: the reference's batches
+            state, _ = step(state, tokens)
         out[train.pipeline.schedule, m] = (sum(c.bytes_per_device * c.executions for c in sums),
-                                           max(c.executions for c in sums))
+                                           max(c.executions for c in sums),
+                                           ungroup(state.params) if m == 4 else None)
     return out
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "circular", "1f1b"])
-def test_gradients_are_summed_over_the_batch_once_a_step(schedule, batch_sums):
+def test_gradients_are_summed_over_the_batch_once_a_step(schedule, batch_sums, reference):
     """Where a stage's weights are whole on every batch rank, it runs manual over the
     batch axes and sums its weights' gradients over them once, after the last
     microbatch (Layout.pipeline_batch_axes): twice the microbatches send no more
     bytes over the batch axes, and no sum over them runs inside a tick loop (each
     tick summed its gradients before: gpipe sent 1.55x the bytes at M = 8 as at 4,
-    and 1f1b 3.4x today's at M = 4). The equalities with one device are the
-    three-step tests'."""
-    (m4, runs4), (m8, runs8) = batch_sums[schedule, 4], batch_sums[schedule, 8]
+    and 1f1b 3.4x today's at M = 4); three steps still equal one device's."""
+    (m4, runs4, params), (m8, runs8, _) = batch_sums[schedule, 4], batch_sums[schedule, 8]
     assert m8 <= 1.1 * m4 and runs4 == runs8 == 1, batch_sums
+    chex.assert_trees_all_close(params, reference, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("layout, mesh_shape, model, want", [
