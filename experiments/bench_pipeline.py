@@ -11,7 +11,7 @@ the fsdp layout (or --layout's): the baseline without a pipeline on fsdp 8, then
 stages (stage S x fsdp 8/S) and M = k * S microbatches (k of --per-stage) each
 schedule (gpipe, circular with V chunks a stage for each V of --repeats, 1f1b):
 the train step's time and its ratio to the baseline's; the bubble as modelled
-(``sharding.pipeline.bubble``) and as compiled (T ticks, the trip count of the
+(``sharding.schedules``: the schedule's table) and as compiled (T ticks, the trip count of the
 loop that sends the activations on: (T - V M) / T); the bytes per device
 the collective-permutes across ``stage`` move per step, and everything else
 that crosses it; the bytes per device of the sums over the batch axes (the
@@ -40,7 +40,7 @@ from jmegatron.analysis import hlo_collectives
 from jmegatron.models import GPT, GPTConfig
 from jmegatron.sharding import MeshConfig, make_mesh
 from jmegatron.sharding.layouts import LAYOUTS, make_layout
-from jmegatron.sharding.pipeline import SCHEDULES, bubble
+from jmegatron.sharding.schedules import SCHEDULES, make_schedule
 from jmegatron.train import TrainConfig, create_train_state
 from jmegatron.train.optimizer import make_optimizer
 from jmegatron.train.registry import optimizer_names
@@ -98,7 +98,8 @@ def measure(model: GPTConfig, stages: int, microbatches: int, repeats: int, sche
     name = "none" if stages == 1 else f"circular V={repeats}" if repeats > 1 else schedule
     return {"schedule": name, "stages": stages, "microbatches": microbatches,
             "step_ms": 1e3 * best_time(one_step, 2),
-            "bubble_model": bubble(stages, microbatches, repeats, schedule) if stages > 1 else 0.0,
+            "bubble_model": (make_schedule(schedule, stages, microbatches, repeats).bubble
+                             if stages > 1 else 0.0),
             "ticks": n_ticks,
             "bubble_hlo": (n_ticks - repeats * microbatches) / n_ticks if n_ticks else 0.0,
             "permute_bytes_per_device": moved(permutes),

@@ -174,7 +174,7 @@ class Setting:
     group: str = "scale"
     base: str | None = None         # the Muon setting of the same model and mesh, compared with
     microbatches: int = 1           # M, through the pipeline (mesh "stage" > 1)
-    schedule: str = "gpipe"         # the pipeline's (sharding.pipeline.SCHEDULES)
+    schedule: str = "gpipe"         # the pipeline's (sharding.schedules.SCHEDULES)
 
     @property
     def devices(self) -> int:
@@ -494,14 +494,15 @@ def pipeline_work(s: Setting, cfg) -> dict:
     idle ones on zeros) and of its replicated part (the embedding and head, which
     every stage computes for the whole batch; with 1f1b also the one extra forward of
     the layers its backward recomputes). Without stages: no bubble, the model's FLOPs."""
-    from jmegatron.sharding.pipeline import bubble
+    from jmegatron.sharding.schedules import make_schedule
     tokens = s.batch * s.seq
     total = cfg.flops_per_token(s.seq) * tokens
     head = 6 * cfg.d_model * cfg.vocab * tokens
     layers = (total - head) * (4 / 3 if s.schedule == "1f1b" and s.stages > 1 else 1)
     return {"stages": s.stages, "microbatches": s.microbatches,
             "schedule": s.schedule if s.stages > 1 else "-",
-            "bubble": bubble(s.stages, s.microbatches, 1, s.schedule) if s.stages > 1 else 0.0,
+            "bubble": (make_schedule(s.schedule, s.stages, s.microbatches).bubble
+                       if s.stages > 1 else 0.0),
             "layer_flops_per_device": layers / s.devices,
             "head_flops_per_device": head * s.stages / s.devices}
 

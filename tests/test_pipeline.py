@@ -10,6 +10,7 @@ import math
 import re
 import subprocess
 import sys
+import typing
 
 import chex
 import jax
@@ -27,7 +28,8 @@ from jmegatron.models.gpt import real_layers, ungroup
 from jmegatron.optim import trainable_params
 from jmegatron.sharding import MeshConfig, make_mesh, nested
 from jmegatron.sharding.layouts import make_layout
-from jmegatron.sharding.pipeline import PipelineRunner, bubble
+from jmegatron.sharding.pipeline import PipelineRunner
+from jmegatron.sharding.schedules import SCHEDULES, make_schedule
 from jmegatron.sharding.stacks import stack_of
 from jmegatron.train import (AdamWConfig, PipelineConfig, ScheduleConfig, TrainConfig, Trainer,
                              make_loss_fn, make_train_step)
@@ -533,10 +535,39 @@ def test_a_nested_map_differentiates_inside_a_scan_of_a_stage():
     chex.assert_trees_all_close(grad(mapped), grad(plain), rtol=1e-5, atol=1e-6)
 
 
-def test_the_bubble_is_the_schedules_formula():
-    assert bubble(4, 4) == pytest.approx(3 / 7) and bubble(2, 8) == pytest.approx(1 / 9)
-    assert bubble(4, 4, repeats=2) == pytest.approx(3 / 11)
-    assert bubble(4, 4, schedule="1f1b") == pytest.approx(6 / 10)
+def test_the_schedules_tables_give_their_ticks_bubble_and_slots():
+    """The tables the tick loops read: GPipe's diagonal, circular's over V M items,
+    1f1b's forward and backward waves; the tick counts and bubbles counted on them
+    are the schedules' formulas, and 1f1b keeps at most 2S - 1 inputs a stage (fewer
+    where M is smaller), never two in one slot."""
+    cli = typing.get_args(typing.get_type_hints(PipelineConfig)["schedule"])
+    assert set(cli) == set(SCHEDULES)   # --pipeline.schedule offers every registered one
+    gpipe = make_schedule("gpipe", 2, 3)
+    np.testing.assert_array_equal(gpipe.forward, [[0, -1], [1, 0], [2, 1], [-1, 2]])
+    assert make_schedule("gpipe", 4, 4).bubble == pytest.approx(3 / 7)
+    assert make_schedule("gpipe", 2, 8).bubble == pytest.approx(1 / 9)
+    circular = make_schedule("circular", 4, 4, 2)
+    assert (circular.ticks, circular.bubble) == (11, pytest.approx(3 / 11))
+    assert sorted(circular.forward[:, 3][circular.forward[:, 3] >= 0]) == list(range(8))
+    one = make_schedule("1f1b", 2, 2)
+    np.testing.assert_array_equal(one.forward, [[0, -1], [1, 0], [-1, 1], [-1, -1]])
+    np.testing.assert_array_equal(one.backward, [[-1, -1], [-1, 0], [0, 1], [1, -1]])
+    assert make_schedule("1f1b", 4, 4).bubble == pytest.approx(6 / 10)
+    for s, m, want in [(2, 2, 2), (4, 4, 4), (4, 16, 7)]:
+        table = make_schedule("1f1b", s, m)
+        write, read, count = table.slots
+        assert count == want
+        for stage in range(s):   # each backward reads the slot its forward wrote...
+            ticks = range(table.ticks)
+            f, b = table.forward[:, stage], table.backward[:, stage]
+            kept = {f[t]: [t, None, write[t, stage]] for t in ticks if f[t] >= 0}
+            for t in ticks:
+                if b[t] >= 0:
+                    kept[b[t]][1] = t
+                    assert read[t, stage] == kept[b[t]][2]
+            for t in ticks:   # ...and no two microbatches kept at once share one
+                held = [slot for start, end, slot in kept.values() if start <= t <= end]
+                assert len(held) == len(set(held)) <= count
 
 
 @pytest.mark.parametrize("make, words", [

@@ -51,27 +51,8 @@ from jmegatron.sharding.rules import (ACT_EMBED, BATCH, SEQ, STAGES, active_mesh
                                      activation_sharding, constrain, logical_axes_of,
                                      mesh_axes_of, sum_dtype)
 from jmegatron.sharding.runners import ScanRunner, Stack, StackRunner
+from jmegatron.sharding.schedules import Schedule, make_schedule
 from jmegatron.sharding.stacks import StackShape
-
-# Each schedule and its bubble (``bubble``), as the startup line prints it.
-SCHEDULES = {"gpipe": "(S-1)/(M+S-1)", "circular": "(S-1)/(V M+S-1)",
-             "1f1b": "(2S-2)/(M+2S-2)"}
-
-
-def ticks(stages: int, microbatches: int, repeats: int = 1, schedule: str = "gpipe") -> int:
-    """The ticks of a schedule's loop: V M + S - 1 each way (gpipe: V = 1, circular);
-    M + 2S - 2 for 1f1b, whose ticks run a forward and a backward each."""
-    if schedule == "1f1b":
-        return microbatches + 2 * stages - 2
-    return repeats * microbatches + stages - 1
-
-
-def bubble(stages: int, microbatches: int, repeats: int = 1, schedule: str = "gpipe") -> float:
-    """The idle fraction of a step: (S - 1) / (V M + S - 1) (gpipe: V = 1, circular);
-    (2S - 2) / (M + 2S - 2) for 1f1b, in lockstep ticks."""
-    total = ticks(stages, microbatches, repeats, schedule)
-    return (total - repeats * microbatches) / total
-
 
 @dataclasses.dataclass(frozen=True)
 class PipelineRunner(StackRunner):
@@ -83,24 +64,24 @@ class PipelineRunner(StackRunner):
     microbatches: int = 2
     inner: StackRunner = ScanRunner()
     repeats: int = 1
-    schedule: str = "gpipe"   # gpipe, circular (repeats > 1) or 1f1b (sharding.pipeline_1f1b)
+    schedule: str = "gpipe"   # a name in sharding.schedules.SCHEDULES
 
     def __post_init__(self):
         if self.microbatches < self.stages:
             raise ValueError(f"{self.microbatches} microbatches for {self.stages} pipeline "
                              f"stages: every stage would idle; use --microbatches "
                              f">= {self.stages}")
-        if self.schedule not in SCHEDULES:
-            raise ValueError(f"unknown pipeline schedule {self.schedule!r}; choose one of "
-                             f"{tuple(SCHEDULES)}")
-        if (self.schedule == "circular") != (self.repeats > 1):
-            raise ValueError(f"the {self.schedule} schedule with {self.repeats} chunks a "
-                             f"stage: circular needs repeats >= 2, the others 1")
+        self.table   # an unknown schedule, or repeats it does not take, refused here
+
+    @property
+    def table(self) -> Schedule:
+        """The schedule's tables (``sharding.schedules``)."""
+        return make_schedule(self.schedule, self.stages, self.microbatches, self.repeats)
 
     def __call__(self, stack: Stack, x: jax.Array) -> tuple[jax.Array, dict]:
-        if self.schedule == "1f1b":
-            raise ValueError("the 1f1b schedule runs the model with its loss, not a stack "
-                             "alone: build the loss with train.make_loss_fn")
+        if self.table.own_backward:
+            raise ValueError(f"the {self.schedule} schedule runs the model with its loss, not "
+                             "a stack alone: build the loss with train.make_loss_fn")
         axis = self.check(stack)
         if axis is None:   # one device: the stages in turn
             return ScanRunner()(stack, x)
@@ -181,12 +162,14 @@ class PipelineRunner(StackRunner):
         (the last stage's outputs [M, b, ...] on every stage, this stage's stats
         [1, V, M, c, b, ...]).
 
-        Work item i = r M + k is microbatch k's pass through this stage's chunk r (its
-        repeat); stage s runs item t - s at tick t, V M + S - 1 ticks in all. Circular
-        (V > 1): what the last stage sends on wraps around to stage 0, which keeps it
-        until its next repeat (M >= S ticks later)."""
+        At each tick a stage runs the work item its table gives (``Schedule.forward``):
+        item i = r M + k is microbatch k's pass through this stage's chunk r (its
+        repeat). Circular (V > 1): what the last stage sent on at the last tick wraps
+        around to stage 0, which keeps it until its next repeat (M >= S ticks later)."""
+        table = self.table
         m, s_count, v = self.microbatches, self.stages, self.repeats
         stage = jax.lax.axis_index(axis)
+        forward = jnp.asarray(table.forward)
         pairs = [(i, (i + 1) % s_count) for i in range(s_count if v > 1 else s_count - 1)]
         run_chunk = lambda x, r: self.run_chunk(stack, blocks, x, r)
 
@@ -201,15 +184,15 @@ class PipelineRunner(StackRunner):
 
         def tick(carry, t):
             received, around, outs, stats = carry
-            item = t - stage
-            valid = (item >= 0) & (item < v * m)
-            item = jnp.clip(item, 0, v * m - 1)
+            item = forward[t, stage]
+            valid = item >= 0
+            item = jnp.maximum(item, 0)
             repeat, k = item // m, item % m
             fresh = at(xm, k)
             if v > 1:   # stage 0 keeps the item the last stage ran a tick ago for its repeat
-                back = t - s_count
-                around = keep(around, received, (stage == 0) & (back >= 0)
-                              & (back < (v - 1) * m), jnp.clip(back, 0, v * m - 1) % m)
+                sent = forward[jnp.maximum(t - 1, 0), s_count - 1]
+                around = keep(around, received, (stage == 0) & (t >= 1) & (sent >= 0)
+                              & (sent < (v - 1) * m), jnp.maximum(sent, 0) % m)
                 fresh = jnp.where(repeat == 0, fresh, at(around, k))
             y, st = run_chunk(jnp.where(stage == 0, fresh, received).astype(dtype), repeat)
             outs = keep(outs, y, valid & (repeat == v - 1), k)
@@ -218,7 +201,7 @@ class PipelineRunner(StackRunner):
 
         start = (jnp.zeros_like(xm[0], dtype), jnp.zeros_like(xm) if v > 1 else None, outs,
                  stats)
-        (_, _, outs, stats), _ = jax.lax.scan(tick, start, jnp.arange(v * m + s_count - 1))
+        (_, _, outs, stats), _ = jax.lax.scan(tick, start, jnp.arange(table.ticks))
         last = jax.lax.psum(jnp.where(stage == s_count - 1, outs, 0), axis).astype(dtype)
         return last, jax.tree.map(lambda a: a.reshape(v, m, *a.shape[1:])[None], stats)
 

@@ -11,11 +11,14 @@ only do that with its own backward, so here the whole model runs as one
   tick t, stage s:  forward   of microbatch f = t - s          (0 <= f < M)
                     backward  of microbatch k = t - (2S - 2 - s) (0 <= k < M)
 
+(the tables of ``sharding.schedules``, which the ticks read).
+
 Stage 0 embeds microbatch f; the last stage runs the head and the loss on it
 and, in the same tick, starts its backward (k = f there). Activations go to
 the next stage and input gradients to the previous one, one
 ``collective-permute`` each per tick. A stage keeps the input of each
-microbatch in flight (at most 2(S - s) - 1 of them: a ring of 2S - 1 slots)
+microbatch in flight (at most 2(S - s) - 1 of them, in 2S - 1 slots:
+``Schedule.slots``)
 and recomputes its layers from it in the backward, as Megatron's 1F1B with
 full recomputation of a stage: one extra forward, and temporaries that grow
 with S, not with M. M + 2S - 2 ticks; the F and B waves travel one stage a
@@ -42,6 +45,7 @@ from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jmegatron.sharding import nested
 from jmegatron.sharding.pipeline import at, keep, varying
@@ -86,9 +90,12 @@ def one_f_one_b(runner, stack: Stack, pieces: Pieces, axis, rest, staged, tokens
 
 def _schedule(runner, stack: Stack, pieces: Pieces, axis, rest, staged, tokens):
     """((loss, aux, stats), (d rest, d staged)): the ticks of the module docstring."""
+    table = runner.table
     m, s_count = runner.microbatches, runner.stages
-    ring = 2 * s_count - 1
     stage = jax.lax.axis_index(axis)
+    forward, backward = jnp.asarray(table.forward), jnp.asarray(table.backward)
+    write, read, ring = table.slots   # where each stage keeps its inputs in flight
+    write, read = jnp.asarray(np.maximum(write, 0)), jnp.asarray(np.maximum(read, 0))
     b = tokens.shape[0] // m
     micro = tokens.reshape(b, m, tokens.shape[1]).swapaxes(0, 1)   # rows k, k + M, ...
     masked = lambda tree, ok: jax.tree.map(lambda g: jnp.where(ok, g, 0).astype(g.dtype), tree)
@@ -112,16 +119,16 @@ def _schedule(runner, stack: Stack, pieces: Pieces, axis, rest, staged, tokens):
 
     def tick(carry, t):
         y_prev, bwd_in, inputs, stats, loss, aux, grads = carry
-        f, k = t - stage, t - (2 * s_count - 2 - stage)
-        f_ok, k_ok = (f >= 0) & (f < m), (k >= 0) & (k < m)
-        f, k = jnp.clip(f, 0, m - 1), jnp.clip(k, 0, m - 1)
+        f, k = forward[t, stage], backward[t, stage]   # this tick's work (-1: none)
+        f_ok, k_ok = f >= 0, k >= 0
+        f, k = jnp.maximum(f, 0), jnp.maximum(k, 0)
         first, last = stage == 0, stage == s_count - 1
         # Forward of microbatch f (the last tick's output reaches the next stage first);
         # its stage input kept until its backward.
         fwd_in = activations(jax.lax.ppermute(y_prev, axis,
                                               [(i, i + 1) for i in range(s_count - 1)]))
         x = jnp.where(first, front(rest, at(micro, f)), fwd_in)
-        inputs = keep(inputs, x, f_ok, f % ring)
+        inputs = keep(inputs, x, f_ok, write[t, stage])
         y, st = chunk(staged, x)
         stats = jax.tree.map(lambda buf, new: keep(buf, new, f_ok, f), stats, st)
         # The last stage: the loss of f, and its gradient to start f's backward now.
@@ -136,7 +143,7 @@ def _schedule(runner, stack: Stack, pieces: Pieces, axis, rest, staged, tokens):
         # each other in either order on each device, and two devices then wait for
         # each other at different collectives.
         dy = jnp.where(last, dy_tail, bwd_in)
-        (_, st_k), pull_chunk = jax.vjp(chunk, staged, after(dy, at(inputs, k % ring)))
+        (_, st_k), pull_chunk = jax.vjp(chunk, staged, after(dy, at(inputs, read[t, stage])))
         d_staged, dx = pull_chunk((dy, stats_cotangent(k_ok, st_k)))
         _, pull_front = jax.vjp(front, rest, at(micro, k))
         d_rest_front, _ = pull_front(dx)
@@ -152,7 +159,7 @@ def _schedule(runner, stack: Stack, pieces: Pieces, axis, rest, staged, tokens):
              varying(jnp.zeros((), jnp.float32)), zeros(aux_shape),
              (zeros(rest), zeros(staged)))
     (_, _, _, stats, loss, aux, (d_rest, d_staged)), _ = jax.lax.scan(
-        tick, start, jnp.arange(m + 2 * s_count - 2))
+        tick, start, jnp.arange(table.ticks))
     # Embedding and head gradients from the first and last stage: summed once.
     d_rest = jax.lax.psum(d_rest, axis)
     stats = runner.in_model_order(jax.tree.map(lambda a: a[None, None], stats), stack, axis)

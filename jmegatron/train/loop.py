@@ -25,7 +25,7 @@ from jmegatron.data.batches import require_window
 from jmegatron.models import GPT, GPTConfig, hf, qk_clipper
 from jmegatron.sharding import MeshConfig, Rules, logical_to_spec, make_mesh
 from jmegatron.sharding.layouts import Layout, make_layout
-from jmegatron.sharding.pipeline import SCHEDULES, bubble, ticks
+from jmegatron.sharding.schedules import SCHEDULES, make_schedule
 from jmegatron.sharding import rules as ax
 from jmegatron.train import run_folder
 from jmegatron.train.checkpoint import (Checkpointer, CheckpointDamaged, CheckpointError, FORMAT,
@@ -551,10 +551,11 @@ class Run:
                          " + ".join(f"{-(-n // stages)} {kind}" for n, kind in stacks)
                          + " layers (a pipeline per stack)")
             v, name = t.cfg.pipeline.repeats, t.cfg.pipeline.schedule
-            schedule = f"circular in {v} chunks a stage" if v > 1 else name
+            table = make_schedule(name, stages, micro, v)
+            schedule = f"{name} in {v} chunks a stage" if v > 1 else name
             t.log(f"pipeline: {stages} stages of {per_stage}, {schedule} over {micro} "
-                  f"microbatches: {ticks(stages, micro, v, name)} ticks per pass, bubble "
-                  f"{SCHEDULES[name]} = {bubble(stages, micro, v, name):.1%}")
+                  f"microbatches: {table.ticks} ticks per pass, bubble "
+                  f"{SCHEDULES[name].formula} = {table.bubble:.1%}")
         warmup = t.cfg.schedule.warmup_steps
         if warmup > t.cfg.steps:
             t.log(f"note: --schedule.warmup-steps {warmup} is longer than the run (--steps "

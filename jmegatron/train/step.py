@@ -47,7 +47,7 @@ def make_loss_fn(graphdef: nnx.GraphDef, model_cfg: GPTConfig, mesh: jax.shardin
     # are then summed once per step.
     batch_axes = layout.pipeline_batch_axes(model_cfg, mesh.shape)
     rules = without_axes(layout.rules, batch_axes)
-    loss_on = (one_f_one_b_loss if layout.schedule == "1f1b" else plain_loss)(
+    loss_on = (one_f_one_b_loss if runner.table.own_backward else plain_loss)(
         graphdef, model_cfg, runner, rules, z_loss)
     return over_stages(loss_on, mesh, rules, batch_axes,
                        functools.partial(same_on_every_rank, axes=batch_axes))

@@ -16,6 +16,7 @@ from jmegatron.sharding.rules import (ACTIVATION_AXES, BATCH, STAGES, VOCAB, Rul
                                      indivisible, logical_to_spec, mesh_axes_of, split_size,
                                      with_rules)
 from jmegatron.sharding.runners import ScanRunner, StackRunner
+from jmegatron.sharding.schedules import make_schedule
 from jmegatron.sharding.traffic import LeafTraffic, RunOptions, Transfer
 
 ASSIGNMENTS = ("round_robin", "balanced")
@@ -53,7 +54,7 @@ class Layout:
     assignment: str = "round_robin"     # which owner gets which matrix (layerwise)
     stages: int = 1                     # pipeline stages (the mesh axes ``stages`` maps to)
     repeats: int = 1                    # chunks per stage of a circular pipeline
-    schedule: str = "gpipe"             # the pipeline's (sharding.pipeline.SCHEDULES)
+    schedule: str = "gpipe"             # the pipeline's (sharding.schedules.SCHEDULES)
 
     @classmethod
     def for_mesh(cls, mesh_shape: Mapping[str, int], rules: Rules, assignment: str,
@@ -102,8 +103,10 @@ class Layout:
             return (f"pipeline stages run each kind of layer as one stack, but the MoE layers "
                     f"alternate with dense ones (--model.moe.every {model.moe.every}): set "
                     "--model.moe.every 1 (or --mesh.stage 1)")
-        if self.schedule == "1f1b" and len(set(model.moe_layers)) > 1:
-            return (f"the 1f1b schedule runs one layer stack, but the first "
+        own_backward = make_schedule(self.schedule, self.stages, microbatches,
+                                     self.repeats).own_backward
+        if own_backward and len(set(model.moe_layers)) > 1:
+            return (f"the {self.schedule} schedule runs one layer stack, but the first "
                     f"{model.moe.first_dense} layers are dense and the rest MoE: set "
                     "--model.moe.first-dense 0 (or --pipeline.schedule gpipe)")
         return None
