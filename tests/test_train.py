@@ -242,6 +242,39 @@ def test_a_registry_entry_is_all_a_new_optimizer_needs(monkeypatch, tmp_path):
     assert "signum" in (tmp_path / "run/routing.txt").read_text()
 
 
+def test_a_registration_is_all_a_new_layout_needs(monkeypatch, tmp_path):
+    """A layout defined here, ZeRO-3 over data and fsdp (its rules split ``embed`` over
+    both), registered under a new name: --layout auto counts it among its candidates,
+    and it trains from the command line as fsdp does (the same losses)."""
+    from jmegatron.optim import auto_layout
+    from jmegatron.sharding import layouts
+    from jmegatron.sharding.rules import STAGES, split_size, with_rules
+
+    class DataFSDP(layouts.FSDP):
+        name = "data_fsdp"
+
+        @classmethod
+        def for_mesh(cls, mesh_shape, rules, assignment, owner_group):
+            zero3 = layouts.owner_group_axes(mesh_shape, rules)
+            return cls(with_rules(rules, embed=zero3 or None),
+                       stages=split_size(mesh_shape, rules, STAGES))
+
+    monkeypatch.setitem(layouts.LAYOUT_CLASSES, "data_fsdp", DataFSDP)
+    mesh = {"stage": 1, "data": 2, "fsdp": 2, "expert": 1, "tensor": 2}
+    assert "data_fsdp" in [c.layout for c in auto_layout.candidates(mesh)]
+    assert DataFSDP.for_mesh(mesh, DEFAULT_RULES, "round_robin", "fsdp").param_spec(
+        ("embed", "mlp")) == jax.P(("data", "fsdp"), "tensor")
+    losses = {}
+    for layout in ("data_fsdp", "fsdp"):
+        train_cli.main(SMALL + ["--layout", layout, "--steps", "2", "--eval-every", "2",
+                                "--out-dir", str(tmp_path), "--name", layout])
+        records = [json.loads(line) for line in
+                   (tmp_path / layout / "metrics.jsonl").read_text().splitlines()]
+        losses[layout] = [r["loss"] for r in records if "loss" in r]
+    assert len(losses["fsdp"]) == 2
+    np.testing.assert_allclose(losses["data_fsdp"], losses["fsdp"], rtol=2e-4)
+
+
 @pytest.mark.parametrize("args, message", [
     (["--data.path", "/no/such/corpus"], "'/no/such/corpus' does not exist"),
     (["--seq-len", "1000000"], "seq_len=1000000 needs at least 1000001 tokens"),

@@ -50,7 +50,7 @@ from jmegatron.analysis.cost_model import CommCost, Hardware, comm_cost, hardwar
 from jmegatron.optim.placement import place
 from jmegatron.optim.routing import MATRIX, MatrixFlops, Routing, leaf_routes, routed
 from jmegatron.sharding import rules as ax
-from jmegatron.sharding.layouts import Layout, layout_label, make_layout, owner_group_axes
+from jmegatron.sharding.layouts import LAYOUT_CLASSES, Layout, layout_label, make_layout
 from jmegatron.sharding.traffic import LeafTraffic, RunOptions, Transfer
 
 MEMORY_SHARE = 0.8      # of the device's memory for params, gradients and state
@@ -137,19 +137,14 @@ def _all_reduced(t: Transfer) -> Transfer:
 
 def candidates(mesh_shape: Mapping[str, int], rules: ax.Rules = ax.DEFAULT_RULES,
                prefetch: bool = False) -> tuple[Candidate, ...]:
-    """The candidates that differ on this mesh: replicated always; layerwise where a
-    batch axis is live; fsdp and owner over ``fsdp`` where a ZeRO-3 axis is; owner
-    over ``data+fsdp`` where that group has another live axis; and with
-    ``prefetch``, each owner also prefetched (a mesh whose only live axes are batch
-    axes: ``rules.only_batch_axes_live``)."""
-    live = lambda axes: any(mesh_shape.get(a, 1) > 1 for a in axes)
-    zero3 = ax.mesh_axes_of(ax.EMBED, rules)
-    wider = set(owner_group_axes(mesh_shape, rules)) - set(zero3)
-    out = [Candidate(name) for name, ok in (("replicated", True), ("layerwise", live(ax.axis_roles(rules).batch)),
-                                            ("fsdp", live(zero3))) if ok]
-    groups = [g for g, ok in (("fsdp", live(zero3)), ("data+fsdp", live(wider))) if ok]
-    fetch = (False, True) if prefetch and ax.only_batch_axes_live(mesh_shape, rules) else (False,)
-    return tuple(out + [Candidate("owner", g, f) for g in groups for f in fetch])
+    """The candidates that differ on this mesh: every registered layout
+    (``layouts.LAYOUT_CLASSES``) in each of the ways it says it differs here
+    (``Layout.variants``: replicated always; layerwise where a batch axis is live;
+    fsdp and owner over ``fsdp`` where a ZeRO-3 axis is; owner over ``data+fsdp``
+    where that group has another live axis; and with ``prefetch``, each owner also
+    prefetched where only batch axes are live)."""
+    return tuple(Candidate(name, **options) for name, cls in LAYOUT_CLASSES.items()
+                 for options in cls.variants(mesh_shape, rules, prefetch))
 
 
 def _leaves(params, layout: Layout, mesh_shape: Mapping[str, int], cost: MatrixFlops,

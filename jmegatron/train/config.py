@@ -7,6 +7,7 @@ import math
 from typing import Literal
 
 from jmegatron.models.config import ConfigError, GPTConfig
+from jmegatron.sharding.layouts import LAYOUT_CLASSES
 from jmegatron.sharding.mesh import MeshConfig
 from jmegatron.train.registry import OPTIMIZERS, optimizer_names
 
@@ -349,11 +350,12 @@ class TrainConfig:
     """Device mesh (-1: the rest of the devices)."""
     fit_mesh: bool = True
     """Shrink the mesh to the devices present (off once any --mesh.* flag is given)."""
-    layout: Literal["auto", "replicated", "layerwise", "fsdp", "owner"] = "auto"
+    layout: str = "auto"
     """Where params and matrix-optimizer state live: replicated (data parallel),
     layerwise (Megatron: state of each matrix on one data rank), fsdp (ZeRO-3,
-    element-wise), owner (MatrixFSDP: each matrix whole on one fsdp rank); auto: the
-    one with the shortest modelled step on this mesh and hardware (printed at start)."""
+    element-wise), owner (MatrixFSDP: each matrix whole on one fsdp rank), or another
+    registered layout (jmegatron.sharding.layouts.LAYOUT_CLASSES); auto: the one with
+    the shortest modelled step on this mesh and hardware (printed at start)."""
     owner_group: Literal["fsdp", "data+fsdp"] | None = None
     """owner: the ranks that each hold whole matrices of every group of layers: fsdp (the
     data ranks hold copies, as hybrid-sharded FSDP) or data+fsdp (one group over both);
@@ -452,6 +454,8 @@ class TrainConfig:
     def __post_init__(self):
         require("optim", self.optim, self.optim in optimizer_names(),
                 f"one of {', '.join(optimizer_names())} (jmegatron.train.registry)")
+        require("layout", self.layout, self.layout in ("auto", *LAYOUT_CLASSES),
+                f"one of auto, {', '.join(LAYOUT_CLASSES)} (jmegatron.sharding.layouts)")
         for name in ("steps", "batch_size", "seq_len", "microbatches", "eval_every",
                      "eval_batches", "log_every", "max_skipped", "top_k", "cpu_devices"):
             require(name.replace("_", "-"), getattr(self, name), getattr(self, name) >= 1, ">= 1")

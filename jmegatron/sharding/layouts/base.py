@@ -63,6 +63,15 @@ class Layout:
         checks the options; ``assignment`` is layerwise's, ``owner_group`` owner's)."""
         raise NotImplementedError(f"the {cls.name} layout cannot be built")
 
+    @classmethod
+    def variants(cls, mesh_shape: Mapping[str, int], rules: Rules,
+                 prefetch: bool) -> list[dict]:
+        """The ways ``--layout auto`` may run this layout on a mesh of ``mesh_shape``
+        (each the options of an ``optim.auto_layout.Candidate``: owner's group and
+        prefetch; ``prefetch`` whether prefetching ones may be among them): none where
+        it would only repeat another layout, e.g. fsdp without a live ZeRO-3 axis."""
+        return [{}]
+
     def check(self, model, mesh_shape: Mapping[str, int], batch_size: int,
               microbatches: int = 1) -> str | None:
         """None if this layout can run ``model`` (a ``GPTConfig`` as the user set it:

@@ -7,8 +7,8 @@ matrix on every rank ("stock FSDP-Muon", the baseline).
 
 from __future__ import annotations
 
-from jmegatron.sharding.layouts.base import Layout
-from jmegatron.sharding.rules import STAGES, split_size
+from jmegatron.sharding.layouts.base import Layout, live_axes
+from jmegatron.sharding.rules import EMBED, STAGES, mesh_axes_of, split_size
 from jmegatron.sharding.traffic import LeafTraffic, RunOptions, Transfer, ring, sharded
 
 
@@ -18,6 +18,11 @@ class FSDP(Layout):
     @classmethod
     def for_mesh(cls, mesh_shape, rules, assignment, owner_group) -> Layout:
         return cls(rules, stages=split_size(mesh_shape, rules, STAGES))
+
+    @classmethod
+    def variants(cls, mesh_shape, rules, prefetch) -> list[dict]:
+        """Where a ZeRO-3 axis is live (else it is replicated)."""
+        return [{}] if live_axes(mesh_shape, mesh_axes_of(EMBED, rules)) else []
 
     def traffic(self, leaf: LeafTraffic, run: RunOptions) -> list[Transfer]:
         """Per layer: gathered for the forward and again for the backward in the compute

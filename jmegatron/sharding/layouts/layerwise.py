@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from jmegatron.sharding.layouts.base import Layout, live_axes, params_replicated
-from jmegatron.sharding.rules import (BATCH, STAGES, logical_to_spec, mesh_axes_of,
+from jmegatron.sharding.rules import (BATCH, STAGES, axis_roles, logical_to_spec, mesh_axes_of,
                                      only_batch_axes_live, spec_axes, split_size)
 from jmegatron.sharding.runners import ScatterRunner, StackRunner
 from jmegatron.sharding.traffic import LeafTraffic, RunOptions, Transfer, all_reduced, ring
@@ -39,6 +39,11 @@ class Layerwise(Layout):
         owners = live_axes(mesh_shape, mesh_axes_of(BATCH, rules))
         return cls(params_replicated(rules), owners, tuple(mesh_shape[a] for a in owners),
                    assignment, split_size(mesh_shape, rules, STAGES))
+
+    @classmethod
+    def variants(cls, mesh_shape, rules, prefetch) -> list[dict]:
+        """Where a batch axis is live (else it is replicated)."""
+        return [{}] if live_axes(mesh_shape, axis_roles(rules).batch) else []
 
     def stage_runner(self, prefetch: bool, keep_gathered: bool) -> StackRunner:
         # The layers send their gradients to the owners (sharding.scatter).

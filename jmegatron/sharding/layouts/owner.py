@@ -47,6 +47,18 @@ class Owner(Layout):
                    tuple(mesh_shape[a] for a in owners),
                    stages=split_size(mesh_shape, rules, STAGES), group=owner_group)
 
+    @classmethod
+    def variants(cls, mesh_shape, rules, prefetch) -> list[dict]:
+        """Over ``fsdp`` where a ZeRO-3 axis is live; over ``data+fsdp`` where that group
+        has another live axis; with ``prefetch``, each also prefetched where only
+        batch axes are live (``rules.only_batch_axes_live``)."""
+        zero3 = mesh_axes_of(EMBED, rules)
+        wider = set(owner_group_axes(mesh_shape, rules)) - set(zero3)
+        groups = [g for g, axes in (("fsdp", zero3), ("data+fsdp", wider))
+                  if live_axes(mesh_shape, axes)]
+        fetch = (False, True) if prefetch and only_batch_axes_live(mesh_shape, rules) else (False,)
+        return [{"owner_group": g, "prefetch": f} for g in groups for f in fetch]
+
     @property
     def layer_group(self) -> int:
         return self.owners
