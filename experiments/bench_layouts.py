@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import math
 
 import jax
@@ -55,11 +56,10 @@ from jmegatron.optim.owners import tail_owner_bytes
 from jmegatron.optim.routing import MatrixSpec
 from jmegatron.sharding import MeshConfig, make_mesh
 from jmegatron.sharding.layouts import LAYOUTS, make_layout
-from jmegatron.train import ScheduleConfig, TrainConfig, create_train_state
-from jmegatron.train.optimizer import (MATRIX_OPTIMIZERS, Optimizer, make_optimizer,
-                                       make_schedule)
+from jmegatron.train import ScheduleConfig, TrainConfig
+from jmegatron.train.optimizer import MATRIX_OPTIMIZERS, Optimizer, make_schedule
+from jmegatron.train.programs import build_programs
 from jmegatron.train.registry import OPTIMIZERS
-from jmegatron.train.step import make_loss_fn, make_train_step
 
 OPTAX = "optax"   # the row of optax.contrib.muon on fsdp-placed params
 KEPT = "owner+kept"   # owner with GPTConfig.keep_gathered (--keep-gathered)
@@ -157,12 +157,9 @@ def measure(variant: str, mesh, model: GPTConfig, tokens, optim: str = "muon") -
     cfg = dataclasses.replace(model, **layout.stack_fields, keep_gathered=keep)
     train = TrainConfig(steps=10, grad_clip=0.0, schedule=ScheduleConfig(warmup_steps=0),
                         optim=optim)
-    make_model = lambda: GPT(cfg, nnx.Rngs(0))
-    optimizer = make_optimizer(train, nnx.split(nnx.eval_shape(make_model))[1], mesh, layout)
-    if variant == OPTAX:
-        optimizer = optax_muon(train, optimizer)
-    graphdef, state = create_train_state(make_model, optimizer.tx, optimizer.plan)
-    loss_fn = make_loss_fn(graphdef, cfg, mesh, layout)
+    programs = build_programs(train, cfg, mesh, layout, swap_optimizer=(
+        functools.partial(optax_muon, train) if variant == OPTAX else None))
+    optimizer, loss_fn, state = programs.optimizer, programs.loss_fn, programs.init()
     params = trainable_params(state.params)   # what the optimizer gets
     grads = jax.jit(jax.grad(lambda p, rest, t: loss_fn(nnx.merge_state(rest, p), t)[0]))(
         params, state.params, tokens)
@@ -178,7 +175,7 @@ def measure(variant: str, mesh, model: GPTConfig, tokens, optim: str = "muon") -
     # (layerwise gathers a bf16 model's masters once, in bf16: ShardingPlan.model_weights).
     fwd_bwd = jax.jit(lambda p, t: jax.value_and_grad(lambda w: loss_fn(w, t)[0])(
         optimizer.plan.model_weights(p)))
-    train_step = make_train_step(loss_fn, optimizer, 1, mesh, layout.rules)
+    train_step = programs.train_step
     opt_report = hlo_collectives(opt_jit, params, grads, state.opt_state)
     fb_report = hlo_collectives(fwd_bwd, state.params, tokens)
     held = sum(x.addressable_shards[0].data.nbytes

@@ -33,18 +33,16 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
 
 from experiments.bench_common import argv, best_time, print_table, write_results
 from jmegatron.analysis import hlo_collectives
-from jmegatron.models import GPT, GPTConfig
+from jmegatron.models import GPTConfig
 from jmegatron.sharding import MeshConfig, make_mesh
 from jmegatron.sharding.layouts import LAYOUTS, make_layout
 from jmegatron.sharding.schedules import SCHEDULES, make_schedule
-from jmegatron.train import TrainConfig, create_train_state
-from jmegatron.train.optimizer import make_optimizer
+from jmegatron.train import TrainConfig
+from jmegatron.train.programs import build_programs
 from jmegatron.train.registry import optimizer_names
-from jmegatron.train.step import make_loss_fn, make_train_step
 
 BATCH, SEQ = 32, 128
 MICRO_ROWS = 8   # rows of a microbatch in the memory table (one per fsdp rank at S = 1)
@@ -63,13 +61,9 @@ def build(model: GPTConfig, stages: int, microbatches: int, repeats: int, schedu
     mesh = make_mesh(MeshConfig(stage=stages, data=1, fsdp=8 // stages))
     layout = make_layout(layout_name, mesh.shape, repeats=repeats,
                          schedule=schedule if stages > 1 else None)
-    cfg = dataclasses.replace(model, **layout.stack_fields)
-    make_model = lambda: GPT(cfg, nnx.Rngs(0))
-    optimizer = make_optimizer(TrainConfig(optim=optim), nnx.split(nnx.eval_shape(make_model))[1],
-                               mesh, layout)
-    graphdef, state = create_train_state(make_model, optimizer.tx, optimizer.plan)
-    loss_fn = make_loss_fn(graphdef, cfg, mesh, layout, microbatches=microbatches)
-    step = make_train_step(loss_fn, optimizer, 1, mesh, layout.rules)
+    programs = build_programs(TrainConfig(optim=optim, microbatches=microbatches),
+                              dataclasses.replace(model, **layout.stack_fields), mesh, layout)
+    step, state = programs.train_step, programs.init()
     tokens = jax.device_put(jax.random.randint(jax.random.key(0), (batch, SEQ + 1), 0,
                                                model.vocab_size),
                             jax.NamedSharding(mesh, jax.P(("data", "fsdp", "expert"))))

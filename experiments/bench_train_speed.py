@@ -36,18 +36,15 @@ import dataclasses
 from pathlib import Path
 
 import jax
-from flax import nnx
 
 from experiments.bench_common import (argv, bf16_matmul_rate, median_ms, print_table,
                                       write_results)
 from experiments.presets import PRESETS
-from jmegatron.models import GPT
 from jmegatron.sharding import MeshConfig, make_mesh
-from jmegatron.train import TrainConfig, create_train_state
+from jmegatron.train import TrainConfig
 from jmegatron.train.config import MuonConfig, SoapConfig
-from jmegatron.train.loop import resolve_layout
-from jmegatron.train.optimizer import make_optimizer
-from jmegatron.train.step import make_loss_fn, make_train_step
+from jmegatron.train.planning import resolve_layout
+from jmegatron.train.programs import build_programs
 
 MODELS = ("gpt2-small", "dense-1b", "qwen3-moe-small")
 ROWS = {
@@ -78,11 +75,8 @@ def build_step(cfg: TrainConfig):
     the optimizer) of ``cfg`` on one device, as the trainer builds them."""
     mesh = make_mesh(cfg.mesh, jax.devices()[:1])
     layout, model_cfg, _ = resolve_layout(cfg, cfg.mesh)   # as the trainer resolves it
-    make_model = lambda: GPT(model_cfg, nnx.Rngs(cfg.seed))
-    optimizer = make_optimizer(cfg, nnx.split(nnx.eval_shape(make_model))[1], mesh, layout)
-    graphdef, state = create_train_state(make_model, optimizer.tx, optimizer.plan)
-    loss_fn = make_loss_fn(graphdef, model_cfg, mesh, layout)
-    step = make_train_step(loss_fn, optimizer, cfg.microbatches, mesh, layout.rules)
+    programs = build_programs(cfg, model_cfg, mesh, layout)   # as the trainer builds them
+    step, state, optimizer = programs.train_step, programs.init(), programs.optimizer
     tokens = jax.random.randint(jax.random.key(1), (cfg.batch_size, cfg.seq_len + 1), 0,
                                 model_cfg.vocab_size)
     return step, state, tokens, model_cfg, optimizer

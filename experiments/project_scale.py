@@ -9,7 +9,7 @@ For each setting (a model, a mesh of 8 to 64 devices, a batch) and each layout
 (replicated, layerwise, fsdp, owner), this compiles without allocating anything
 (``jax.jit(fn).lower(jax.ShapeDtypeStruct(..., sharding=...)).compile()`` on
 virtual CPU devices, one subprocess per device count) one train step
-(``make_train_step``, built as ``experiments.bench_layouts`` builds it) and one
+(``train.programs.build_programs``'s, as the trainer builds it) and one
 optimizer step (``tx.update`` + ``optax.apply_updates``), and reads from them:
 
   measured   the collectives of each program with their bytes per device,
@@ -338,47 +338,13 @@ def train_config(s: Setting, layout_name: str):
                        optim=s.optim, muon=muon)
 
 
-def abstract_program(s: Setting, layout_name: str, devices=None):
-    """Everything to compile one layout of ``s`` without allocating: (mesh, layout, cfg,
-    optimizer, graphdef, abstract TrainState and token batch, both with shardings)."""
+def abstract_tokens(s: Setting, mesh, layout):
+    """The abstract [B, T+1] int32 batch of ``s``, split over the layout's batch axes."""
     import jax
     import jax.numpy as jnp
-    from flax import nnx
-    from jmegatron.models import GPT
-    from jmegatron.optim import trainable_params
-    from jmegatron.sharding import MeshConfig, make_mesh
-    from jmegatron.sharding.layouts import make_layout
     from jmegatron.sharding.rules import axis_roles
-    from jmegatron.train.optimizer import make_optimizer
-    from jmegatron.train.state import TrainState, train_state_shardings
-    from experiments.bench_layouts import optax_muon
-
-    devices = list(jax.devices() if devices is None else devices)[:s.devices]
-    mesh = make_mesh(MeshConfig(**{"fsdp": 1, **s.mesh}), devices)
-    layout = make_layout("fsdp" if layout_name == OPTAX else layout_name, mesh.shape,
-                         schedule=s.schedule)
-    cfg = dataclasses.replace(model_config(s.model, mesh.shape["tensor"]),
-                              **layout.stack_fields)
-    make_model = lambda: GPT(cfg, nnx.Rngs(0))
-    graphdef, abstract_params = nnx.split(nnx.eval_shape(make_model))
-    train = train_config(s, layout_name)
-    optimizer = make_optimizer(train, abstract_params, mesh, layout)
-    if layout_name == OPTAX:
-        optimizer = optax_muon(train, optimizer)
-
-    def init():   # create_train_state's init, only traced
-        params = nnx.split(make_model())[1]
-        zero = jnp.zeros((), jnp.int32)
-        return TrainState(zero, params, optimizer.tx.init(trainable_params(params)), zero)
-
-    shapes = jax.eval_shape(init)
-    # The shardings tree stops at each variable; its shape tree goes on into it.
-    state = jax.tree.map(lambda sharding, sub: jax.tree.map(
-        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), sub),
-        train_state_shardings(shapes, optimizer.plan), shapes)
-    tokens = jax.ShapeDtypeStruct((s.batch, s.seq + 1), jnp.int32,
-                                  sharding=jax.NamedSharding(mesh, jax.P(axis_roles(layout.rules).batch)))
-    return mesh, layout, cfg, optimizer, graphdef, state, tokens
+    return jax.ShapeDtypeStruct((s.batch, s.seq + 1), jnp.int32, sharding=jax.NamedSharding(
+        mesh, jax.P(axis_roles(layout.rules).batch)))
 
 
 def opt_step_fn(optimizer):
@@ -409,16 +375,28 @@ class Programs:
 
 
 def build_programs(s: Setting, layout_name: str, devices=None) -> Programs:
-    """The programs of one layout of ``s`` (nothing compiled or allocated yet)."""
+    """The programs of one layout of ``s`` as the trainer builds them
+    (``train.programs.build_programs``; optax's Muon in place of the plan's optimizer
+    for the optax row), with abstract inputs: nothing compiled or allocated yet."""
+    import functools
     import jax
-    from jmegatron.train.step import make_loss_fn, make_train_step
+    from jmegatron.sharding import MeshConfig, make_mesh
+    from jmegatron.sharding.layouts import make_layout
+    from jmegatron.train import programs
+    from experiments.bench_layouts import optax_muon
 
-    mesh, layout, cfg, optimizer, graphdef, state, tokens = abstract_program(
-        s, layout_name, devices)
-    loss_fn = make_loss_fn(graphdef, cfg, mesh, layout, microbatches=s.microbatches)
-    return Programs(mesh, layout, cfg, optimizer, graphdef, state, tokens, loss_fn,
-                    make_train_step(loss_fn, optimizer, 1, mesh, layout.rules),
-                    jax.jit(opt_step_fn(optimizer)))
+    devices = list(jax.devices() if devices is None else devices)[:s.devices]
+    mesh = make_mesh(MeshConfig(**{"fsdp": 1, **s.mesh}), devices)
+    layout = make_layout("fsdp" if layout_name == OPTAX else layout_name, mesh.shape,
+                         schedule=s.schedule)
+    cfg = dataclasses.replace(model_config(s.model, mesh.shape["tensor"]),
+                              **layout.stack_fields)
+    train = dataclasses.replace(train_config(s, layout_name), microbatches=s.microbatches)
+    run = programs.build_programs(train, cfg, mesh, layout, swap_optimizer=(
+        functools.partial(optax_muon, train) if layout_name == OPTAX else None))
+    return Programs(mesh, layout, cfg, run.optimizer, run.graphdef, run.abstract_state(),
+                    abstract_tokens(s, mesh, layout), run.loss_fn, run.train_step,
+                    jax.jit(opt_step_fn(run.optimizer)))
 
 
 def compile_layout(s: Setting, layout_name: str, fwd_bwd: bool = False, devices=None,

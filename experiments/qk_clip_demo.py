@@ -17,7 +17,7 @@ import jax
 
 from experiments.presets import tiny
 from jmegatron.train import plot_runs, read_metrics, train
-from jmegatron.train.loop import plan_run
+from jmegatron.train.planning import plan_run
 
 
 def run_pair(steps: int, lr: float, tau: float, out_dir: str) -> dict[str, list[dict]]:

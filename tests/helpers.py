@@ -9,14 +9,12 @@ import numpy as np
 import optax
 from flax import nnx
 
-from jmegatron.models import GPT
 from jmegatron.optim import coefficient_set, trainable_params
 from jmegatron.sharding import make_mesh
 from jmegatron.sharding.layouts import make_layout
-from jmegatron.train import create_train_state
 from jmegatron.optim.codec import LeafCodec
 from jmegatron.train.checkpoint import Checkpointer, abstract_of, leaf_codecs
-from jmegatron.train.optimizer import make_optimizer
+from jmegatron.train.programs import build_state
 
 
 def mesh_of(mesh_config):
@@ -24,17 +22,20 @@ def mesh_of(mesh_config):
     return make_mesh(mesh_config, jax.devices()[:math.prod(mesh_config.sizes().values())])
 
 
+def layout_of(mesh, layout_name, train):
+    """The layout ``layout_name`` on ``mesh`` with ``train``'s options."""
+    return make_layout(layout_name, mesh.shape, assignment=train.assignment,
+                       repeats=train.pipeline.repeats, schedule=train.pipeline.schedule,
+                       owner_group=train.owner_group or "fsdp")
+
+
 def build(mesh, layout_name, model, train):
-    """(layout, optimizer, graphdef, state) of ``model`` under a layout, born sharded."""
-    layout = make_layout(layout_name, mesh.shape, assignment=train.assignment,
-                         repeats=train.pipeline.repeats, schedule=train.pipeline.schedule,
-                         owner_group=train.owner_group or "fsdp")
-    cfg = dataclasses.replace(model, **layout.stack_fields)
-    make_model = lambda: GPT(cfg, nnx.Rngs(0))
-    abstract = nnx.split(nnx.eval_shape(make_model))[1]
-    optimizer = make_optimizer(train, abstract, mesh, layout)
-    graphdef, state = create_train_state(make_model, optimizer.tx, optimizer.plan)
-    return layout, optimizer, graphdef, state
+    """(layout, optimizer, graphdef, state) of ``model`` under a layout, born sharded, as
+    the trainer builds them (``train.programs.build_state``)."""
+    layout = layout_of(mesh, layout_name, train)
+    optimizer, graphdef, init = build_state(train, dataclasses.replace(
+        model, **layout.stack_fields), mesh, layout)
+    return layout, optimizer, graphdef, init()
 
 
 def codecs_for(model, layout, optimizer, state):

@@ -25,7 +25,7 @@ from jmegatron.sharding import MeshConfig, make_mesh
 from jmegatron.sharding.layouts import LAYOUTS, make_layout
 from jmegatron.sharding.traffic import LeafTraffic, RunOptions
 from jmegatron.train.config import TrainConfig
-from jmegatron.train.loop import plan_run
+from jmegatron.train.planning import plan_run
 from jmegatron.train.registry import OPTIMIZERS
 
 MUON = OPTIMIZERS["muon"].matrix_flops(TrainConfig())

@@ -22,7 +22,7 @@ import pytest
 import cli_runs
 import docs_check
 from docs_check import ROOT
-from jmegatron.train.loop import sharing_programs
+from jmegatron.train.programs import sharing_programs
 
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 by_name = pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)

@@ -23,7 +23,7 @@ import helpers
 from cli_runs import SMALL, main
 from experiments.train import parse
 from jmegatron.analysis import hlo, hlo_collectives
-from jmegatron.models import GPTConfig, MoEConfig, qk_clipper
+from jmegatron.models import GPTConfig, MoEConfig
 from jmegatron.models.gpt import real_layers, ungroup
 from jmegatron.optim import trainable_params
 from jmegatron.sharding import MeshConfig, make_mesh, nested
@@ -32,8 +32,9 @@ from jmegatron.sharding.pipeline import PipelineRunner
 from jmegatron.sharding.schedules import SCHEDULES, make_schedule
 from jmegatron.sharding.stacks import stack_of
 from jmegatron.train import (AdamWConfig, PipelineConfig, ScheduleConfig, TrainConfig, Trainer,
-                             make_loss_fn, make_train_step)
+                             make_loss_fn)
 from jmegatron.train.checkpoint import leaf_codecs
+from jmegatron.train.programs import build_programs
 
 MODEL = GPTConfig(vocab_size=300, d_model=32, n_layers=4, n_heads=4, n_kv_heads=2,
                   d_ff=64).pad_vocab(2)
@@ -52,13 +53,13 @@ def batches():
 
 
 def setup(mesh, layout_name, model, train, microbatches, accumulate=1):
-    """The pipeline runs ``microbatches``; the train step accumulates ``accumulate``."""
-    layout, optimizer, graphdef, state = helpers.build(mesh, layout_name, model, train)
-    cfg = dataclasses.replace(model, **layout.stack_fields)
-    loss_fn = make_loss_fn(graphdef, cfg, mesh, layout, microbatches=microbatches)
-    step = make_train_step(loss_fn, optimizer, accumulate, mesh, layout.rules,
-                           qk_clipper(cfg, QK_TAU))
-    return layout, optimizer, state, step
+    """The pipeline runs ``microbatches``; the train step accumulates ``accumulate`` (only
+    one of them more than 1: the trainer's --microbatches); with QK-clip."""
+    layout = helpers.layout_of(mesh, layout_name, train)
+    programs = build_programs(
+        dataclasses.replace(train, microbatches=microbatches * accumulate, qk_clip=QK_TAU),
+        dataclasses.replace(model, **layout.stack_fields), mesh, layout)
+    return layout, programs.optimizer, programs.init(), programs.train_step
 
 
 def three_steps(mesh_config, layout_name="fsdp", model=MODEL, train=TRAIN, microbatches=4,

@@ -28,7 +28,7 @@ from cli_runs import RUN, SMALL, cli, main
 from experiments import train as train_cli
 from jmegatron.analysis import hlo_collectives
 from jmegatron.train import TrainConfig, Trainer, run_folder
-from jmegatron.train import loop
+from jmegatron.train import programs
 from jmegatron.train.checkpoint import (CheckpointConfig, CheckpointDamaged, Checkpointer,
                                         LeafCodec, abstract_of)
 from jmegatron.train.checksum import checksums_by_leaf, tree_checksums
@@ -258,14 +258,13 @@ def test_bad_numbers_are_refused_at_parse_time(flag, value, want):
 @pytest.fixture
 def nan_loss(monkeypatch):
     """Every step's loss (and so its gradients) is NaN."""
-    from jmegatron.train import loop
-    make = loop.make_loss_fn
+    make = programs.make_loss_fn
 
     def poisoned(*args, **kwargs):
         loss_fn = make(*args, **kwargs)
         return lambda params, tokens: jax.tree.map(lambda x: x * jnp.nan, loss_fn(params, tokens))
 
-    monkeypatch.setattr(loop, "make_loss_fn", poisoned)
+    monkeypatch.setattr(programs, "make_loss_fn", poisoned)
 
 
 def test_a_run_of_skipped_steps_stops_and_keeps_the_last_checkpoint(run, nan_loss):
@@ -351,7 +350,7 @@ def test_a_signal_while_compiling_ends_the_start_with_one_line_and_no_files(sign
 def ctrl_c_in_a_gc_callback(monkeypatch):
     """Ctrl-C while a collection runs its callbacks (jax's runs at every one), as the
     trainer starts: Python drops the exception the handler raises there."""
-    make = loop.make_optimizer
+    make = programs.make_optimizer
 
     def interrupted(*args, **kwargs):
         callback = lambda phase, info: signal.raise_signal(signal.SIGINT)
@@ -362,7 +361,7 @@ def ctrl_c_in_a_gc_callback(monkeypatch):
             gc.callbacks.remove(callback)
         return make(*args, **kwargs)
 
-    monkeypatch.setattr(loop, "make_optimizer", interrupted)
+    monkeypatch.setattr(programs, "make_optimizer", interrupted)
 
 
 def test_ctrl_c_that_python_could_not_raise_still_ends_the_start(tmp_path, capfd,

@@ -19,7 +19,7 @@ import pytest
 from cli_runs import RUN, SMALL, main
 from jmegatron.train import TrainConfig, run_folder
 from jmegatron.train.lock import LOCK_NAME, RunFolderError, RunLock
-from jmegatron.train import loop
+from jmegatron.train import programs
 
 
 def files(folder: Path) -> dict[str, str]:
@@ -145,7 +145,7 @@ def interrupted_start(monkeypatch):
     def interrupt(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(loop, "make_optimizer", interrupt)
+    monkeypatch.setattr(programs, "make_optimizer", interrupt)
 
 
 def test_ctrl_c_while_starting_is_one_line_and_leaves_no_stub(tmp_path, interrupted_start):
@@ -158,7 +158,7 @@ def test_ctrl_c_while_starting_is_one_line_and_leaves_no_stub(tmp_path, interrup
 @pytest.fixture
 def out_of_memory(monkeypatch):
     """The first train step fails as XLA does when an allocation is too large."""
-    make = loop.make_train_step
+    make = programs.make_train_step
 
     def exhausted(*args, **kwargs):
         make(*args, **kwargs)
@@ -167,7 +167,7 @@ def out_of_memory(monkeypatch):
                 "RESOURCE_EXHAUSTED: Out of memory allocating 1843200000000 bytes.")
         return step
 
-    monkeypatch.setattr(loop, "make_train_step", exhausted)
+    monkeypatch.setattr(programs, "make_train_step", exhausted)
 
 
 def test_out_of_memory_at_the_first_step_is_one_line_and_leaves_no_stub(tmp_path, capsys,

@@ -2,7 +2,8 @@
 
 from jmegatron.train.config import (AdamWConfig, DataConfig, MuonConfig, PipelineConfig,
                                     ScheduleConfig, TrainConfig)
-from jmegatron.train.loop import Plan, Trainer, fit_mesh, plan_run, train
+from jmegatron.train.loop import Trainer, train
+from jmegatron.train.planning import Plan, fit_mesh, plan_run
 from jmegatron.train.metrics import read_metrics
 from jmegatron.train.plots import plot_runs
 from jmegatron.train.state import TrainState, create_train_state

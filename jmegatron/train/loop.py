@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import dataclasses
 import json
 import math
@@ -11,7 +10,7 @@ import signal
 import threading
 import time
 from pathlib import Path
-from typing import Callable, NamedTuple
+from typing import Callable
 
 import jax
 import numpy as np
@@ -19,247 +18,22 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from tqdm import tqdm
 
-from jmegatron.data import Corpus, DataError, eval_batch, load_corpus, make_batch, unigram_entropy
-from jmegatron.data.tokenizer import load_tokenizer
-from jmegatron.data.batches import require_window
-from jmegatron.models import GPT, GPTConfig, hf, qk_clipper
-from jmegatron.sharding import MeshConfig, Rules, logical_to_spec, make_mesh
-from jmegatron.sharding.layouts import Layout, make_layout
+from jmegatron.data import eval_batch, make_batch, unigram_entropy
+from jmegatron.models import hf
+from jmegatron.sharding import logical_to_spec
 from jmegatron.sharding.schedules import SCHEDULES, make_schedule
 from jmegatron.sharding import rules as ax
 from jmegatron.train import run_folder
 from jmegatron.train.checkpoint import (Checkpointer, CheckpointDamaged, CheckpointError, FORMAT,
                                         SaveError, abstract_of, error_line, leaf_codecs)
-from jmegatron.train.config import ConfigError, TrainConfig
-from jmegatron.train.distributed import AnyProcess, barrier, is_main, same_on_all
+from jmegatron.train.config import TrainConfig
+from jmegatron.train.distributed import AnyProcess, barrier, is_main
 from jmegatron.train.metrics import MetricsWriter, jsonable, measure_matmul_rate
-from jmegatron.train.optimizer import Optimizer, make_optimizer, rank_layouts
+from jmegatron.train.planning import Plan, plan_run, resolve_model
 from jmegatron.train.plots import plot_runs
-from jmegatron.train.sample import make_sampler, sample_texts
-from jmegatron.train.state import TrainState, state_initializer
-from jmegatron.train.step import make_eval_step, make_loss_fn, make_train_step
-
-
-def fit_mesh(requested: MeshConfig, n_devices: int, shrink: bool) -> MeshConfig:
-    """``requested`` resolved for ``n_devices``; with ``shrink`` (a mesh nobody set
-    explicitly), data then tensor are halved until it fits instead of failing."""
-    mesh = requested
-    while shrink and n_devices % (mesh.data * mesh.tensor):
-        field = "data" if mesh.data > 1 else "tensor"
-        mesh = dataclasses.replace(mesh, **{field: getattr(mesh, field) // 2})
-    return mesh.resolve(n_devices)
-
-
-@dataclasses.dataclass(frozen=True)
-class Plan:
-    """A run's settings after every check, before anything is compiled."""
-
-    mesh: MeshConfig         # resolved for the devices present
-    model: GPTConfig         # vocabulary padded for the mesh, layers grouped for the layout
-    corpus: Corpus
-    layout: Layout
-    run_dir: Path            # out_dir/name, checked: writable, and no other run's folder
-    choice: str = ""         # --layout auto: what it chose and why (one line); else ""
-
-    @property
-    def rules(self) -> Rules:
-        return self.layout.rules
-
-
-def resolve_model(cfg: TrainConfig) -> TrainConfig:
-    """``cfg`` with the architecture of its --init-from folder, or else the vocabulary
-    size of its --data.tokenizer (as it is without either)."""
-    if cfg.init_from:
-        model = hf.config_from_hf(cfg.init_from[3:], cfg.model)
-    elif cfg.data.tokenizer:
-        try:
-            size = load_tokenizer(cfg.data.tokenizer).vocab_size
-        except ValueError as err:
-            raise DataError(str(err)) from None
-        model = dataclasses.replace(cfg.model, vocab_size=size)
-    else:
-        return cfg
-    try:
-        return dataclasses.replace(cfg, model=model)
-    except ConfigError as err:   # a setting the new model refuses (e.g. --qk-clip)
-        source = (f"--init-from {cfg.init_from}" if cfg.init_from
-                  else f"--data.tokenizer {cfg.data.tokenizer}")
-        raise ValueError(f"{err} (with {source})") from None
-
-
-def plan_run(cfg: TrainConfig) -> Plan:
-    """Resolves and checks mesh, corpus, model and batch; raises ValueError (or
-    DataError) naming the numbers or path, before any compile."""
-    cfg = resolve_model(cfg)
-    if cfg.resume and not cfg.name:
-        raise ValueError("--resume continues the run folder out_dir/name: give --name "
-                         "(or --resume-from PATH)")
-    mesh = fit_mesh(cfg.mesh, jax.device_count(), shrink=cfg.fit_mesh)
-    corpus = load_corpus(cfg.data.path, cfg.data.val_fraction, cfg.data.tokenizer)
-    for split in ("train", "val"):
-        require_window(len(getattr(corpus, split)), cfg.seq_len,
-                       f"the {split} split of {corpus.source!r}")
-    if cfg.model.vocab_size < corpus.vocab_size:
-        raise ValueError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the "
-                         f"corpus vocabulary ({corpus.vocab_size}, {corpus.source!r})")
-    if cfg.top_k > cfg.model.vocab_size:
-        raise ValueError(f"--top-k {cfg.top_k}: must be at most the vocabulary "
-                         f"(model.vocab_size={cfg.model.vocab_size})")
-    if cfg.owner_group and cfg.layout not in ("owner", "auto"):
-        raise ValueError(f"--owner-group {cfg.owner_group} applies to --layout owner (or "
-                         f"auto), not {cfg.layout}")
-    layout, model, choice = resolve_layout(cfg, mesh)
-    run_folder.check_out_dir(cfg.out_dir)
-    name = cfg.name or time.strftime(   # process 0's clock, on every process
-        "%Y%m%d-%H%M%S", time.localtime(same_on_all(int(time.time()))))
-    run_dir = Path(cfg.out_dir) / name
-    run_folder.check_run_folder(run_dir, cfg)
-    return Plan(mesh, model, corpus, layout, run_dir, choice)
-
-
-def resolve_layout(cfg: TrainConfig, mesh: MeshConfig) -> tuple[Layout, GPTConfig, str]:
-    """The layout ``cfg`` names on ``mesh`` (``--layout auto``: the one it chooses, with
-    the line saying why; else ""), and the model stacked for it; ValueError with the
-    one-line refusal where it cannot run them."""
-    if cfg.layout == "auto":
-        return choose_layout(cfg, mesh)
-    return (*layout_and_model(cfg.layout, cfg, mesh), "")
-
-
-def layout_and_model(name: str, cfg: TrainConfig, mesh: MeshConfig,
-                     owner_group: str | None = None, prefetch: bool | None = None
-                     ) -> tuple[Layout, GPTConfig]:
-    """The layout ``name`` on ``mesh`` and the model stacked for it; raises ValueError
-    with the layout's one-line refusal (``Layout.check``) where it cannot run them.
-    ``owner_group`` and ``prefetch`` (owner; None: ``cfg``'s) are what ``--layout
-    auto`` chose."""
-    layout = make_layout(name, mesh.sizes(), assignment=cfg.assignment,
-                         repeats=cfg.pipeline.repeats, schedule=cfg.pipeline.schedule,
-                         owner_group=owner_group or cfg.owner_group or "fsdp")
-    model = cfg.model if prefetch is None else dataclasses.replace(cfg.model, prefetch=prefetch)
-    why = layout.check(model, mesh.sizes(), cfg.batch_size, cfg.microbatches)
-    if why:
-        raise ValueError(why)
-    return layout, layout.model_for(model, mesh.sizes())
-
-
-def choose_layout(cfg: TrainConfig, mesh: MeshConfig) -> tuple[Layout, GPTConfig, str]:
-    """``--layout auto``: the layout (and owner's group and prefetch) with the shortest
-    modelled step (``optimizer.rank_layouts``) among those that can run ``cfg`` on
-    ``mesh`` (``Layout.check``), its model, and a line that names it, the runner-up,
-    the others with their modelled times, and those skipped and why. Raises
-    ValueError, in one line, where none can."""
-    params = nnx.state(nnx.eval_shape(lambda: GPT(cfg.model, nnx.Rngs(0))))
-    ranked, preset = rank_layouts(cfg, params, mesh.sizes(), jax.devices()[0])
-    if not ranked:   # owner's options given, where the mesh allows no owner candidate
-        layout_and_model("owner", cfg, mesh)   # raises owner's refusal
-    feasible, skipped = [], {}
-    for estimate in ranked:
-        c = estimate.candidate
-        try:   # a prefetched candidate's prefetch; else the user's (the others refuse it)
-            feasible.append((estimate, *layout_and_model(
-                c.layout, cfg, mesh, c.owner_group, c.prefetch or None)))
-        except ValueError as err:
-            skipped[estimate.label] = str(err)
-    if not feasible:   # each reason once, with the layouts that give it
-        reasons = {why: [n for n, w in skipped.items() if w == why] for why in skipped.values()}
-        raise ValueError(next(iter(reasons)) if len(reasons) == 1 else
-                         "--layout auto: no layout can run this: " + "; ".join(
-                             f"{why} ({', '.join(names)})" for why, names in reasons.items()))
-    (best, layout, model), others = feasible[0], [e for e, *_ in feasible[1:]]
-    line = (f"layout auto: {best.describe()}"
-            + (f"; runner-up {others[0].describe()}" if others else "")
-            + "".join(f"; {e.label} {1e3 * e.seconds:,.1f} ms" for e in others[1:])
-            + "".join(f"; skipped {name}: {why}" for name, why in skipped.items())
-            + f" (modelled on {preset}: the optimizer and collectives of a step; "
-              "docs/layouts.md, 'auto')")
-    return layout, model, line
-
-
-class Programs(NamedTuple):
-    """What a Trainer compiles: the state's builder and the train, eval and sample
-    steps (each jitted, compiled at its first call), with the mesh and optimizer
-    they are built on, and the settings they were built for (``programs_key``)."""
-
-    key: tuple
-    mesh: jax.sharding.Mesh
-    optimizer: Optimizer
-    graphdef: nnx.GraphDef
-    init: Callable[[], TrainState]
-    train_step: Callable
-    eval_step: Callable
-    sampler: Callable
-
-
-# Settings no compiled program depends on: Trainers that differ only in these (a run
-# stopped and resumed, the same run in another folder) can share their programs.
-UNCOMPILED = ("name", "out_dir", "stop_after", "resume", "resume_from", "init_from",
-              "overwrite", "allow_change", "checkpoint", "max_skipped", "eval_every",
-              "eval_batches", "log_every", "sample_prompt", "sample_tokens", "progress")
-_DEFAULTS = TrainConfig()
-
-
-def programs_key(cfg: TrainConfig, plan: Plan) -> tuple:
-    """What a run's programs depend on: ``cfg`` but its ``UNCOMPILED`` settings, the
-    resolved mesh, model and layout, and the devices."""
-    return (dataclasses.replace(cfg, **{f: getattr(_DEFAULTS, f) for f in UNCOMPILED}),
-            plan.mesh, plan.model, plan.layout, tuple(jax.devices()))
-
-
-def build_programs(cfg: TrainConfig, plan: Plan) -> Programs:
-    """The programs of a run of ``cfg`` on ``plan`` (nothing compiled yet)."""
-    mesh = make_mesh(plan.mesh)
-    make_model = lambda: GPT(plan.model, nnx.Rngs(cfg.seed))
-    optimizer = make_optimizer(cfg, nnx.split(nnx.eval_shape(make_model))[1], mesh, plan.layout)
-    graphdef, init = state_initializer(make_model, optimizer.tx, optimizer.plan)
-    # With pipeline stages the microbatches run inside the pipeline, not one by one.
-    inner, outer = ((cfg.microbatches, 1) if plan.layout.stages > 1
-                    else (1, cfg.microbatches))
-    loss_fn = make_loss_fn(graphdef, plan.model, mesh, plan.layout, cfg.z_loss, inner)
-    clip = qk_clipper(plan.model, cfg.qk_clip, cfg.qk_clip_alpha) if cfg.qk_clip else None
-    return Programs(programs_key(cfg, plan), mesh, optimizer, graphdef, init,
-                    make_train_step(loss_fn, optimizer, outer, mesh, plan.rules, clip),
-                    make_eval_step(loss_fn, optimizer.plan),
-                    make_sampler(graphdef, plan.model, mesh, plan.rules, cfg.top_k))
-
-
-_SHARED: contextvars.ContextVar[dict | None] = contextvars.ContextVar(
-    "jmegatron_shared_programs", default=None)
-
-
-@contextlib.contextmanager
-def sharing_programs():
-    """Within this context, Trainers whose settings differ only in ``UNCOMPILED`` ones
-    share their programs, each compiled once (a process that runs many commands: the
-    docs' commands in the tests). Off by default: a program built under a patched
-    function (a test's) must not serve a later run."""
-    token = _SHARED.set({})
-    try:
-        yield
-    finally:
-        _SHARED.reset(token)
-
-
-def shared_programs(cfg: TrainConfig, plan: Plan) -> Programs:
-    """The programs of ``cfg`` on ``plan``: built, or an earlier Trainer's with the same
-    ``programs_key`` inside ``sharing_programs``."""
-    shared = _SHARED.get()
-    if shared is None:
-        return build_programs(cfg, plan)
-    key = programs_key(cfg, plan)
-    if key not in shared:
-        shared[key] = build_programs(cfg, plan)
-    return shared[key]
-
-
-def differences(key: tuple, other: tuple) -> list[str]:
-    """The settings in which two ``programs_key``s differ, by name."""
-    cfg, *rest = key
-    names = [f.name for f in dataclasses.fields(cfg)
-             if getattr(cfg, f.name) != getattr(other[0], f.name)]
-    resolved = [name for name, a, b in zip(("mesh", "model", "layout", "devices"), rest,
-                                           other[1:]) if a != b and name not in names]
-    return names + resolved
+from jmegatron.train.programs import (RunPrograms, differences, programs_key,
+                                      shared_programs)
+from jmegatron.train.sample import sample_texts
 
 
 class TrainingError(RuntimeError):
@@ -270,7 +44,7 @@ class Trainer:
     """Everything a run needs, built once; ``run()`` trains."""
 
     def __init__(self, cfg: TrainConfig, plan: Plan | None = None, log=print,
-                 resume_command: str | None = None, programs: Programs | None = None):
+                 resume_command: str | None = None, programs: RunPrograms | None = None):
         """``programs``: another Trainer's (``Trainer.programs``), to run without compiling
         again; its settings may differ only in ``UNCOMPILED`` ones (a run stopped and
         resumed in one process). Raises ValueError, naming the settings, otherwise."""
@@ -286,7 +60,7 @@ class Trainer:
             raise
 
     def _build(self, plan: Plan, resume_command: str | None,
-               programs: Programs | None) -> None:
+               programs: RunPrograms | None) -> None:
         cfg = self.cfg
         self.resume_command = resume_command or (
             f"the same settings with --resume --name {plan.run_dir.name} "
@@ -301,14 +75,13 @@ class Trainer:
         elif programs.key != key:
             raise ValueError("the programs given were built for other settings: " +
                              ", ".join(differences(programs.key, key)))
-        self.programs = programs
-        self.mesh, self.optimizer, self.graphdef = (programs.mesh, programs.optimizer,
-                                                    programs.graphdef)
-        self.train_step, self.eval_step, self.sampler = (programs.train_step,
-                                                         programs.eval_step, programs.sampler)
+        self.programs, built = programs, programs.programs
+        self.mesh, self.optimizer, self.graphdef = built.mesh, built.optimizer, built.graphdef
+        self.train_step, self.eval_step, self.sampler = (built.train_step, built.eval_step,
+                                                         programs.sampler)
         self.batch_sharding = NamedSharding(self.mesh,
                                             logical_to_spec((ax.BATCH, ax.SEQ), self.rules))
-        self.state = programs.init()
+        self.state = built.init()
         if cfg.init_from and not (cfg.resume or cfg.resume_from):
             self.state = self.state._replace(params=self._initial_params())
         self.codecs = leaf_codecs(self.state, self.optimizer.plan)
