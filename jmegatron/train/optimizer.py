@@ -15,7 +15,7 @@ from jmegatron.optim.auto_layout import STATE_BYTES, LayoutEstimate, estimate, p
 from jmegatron.optim.owners import ns_cost
 from jmegatron.optim.tensor_parallel import tp_note
 from jmegatron.sharding import rules as ax
-from jmegatron.sharding.layouts import Layout
+from jmegatron.sharding.layouts import LAYOUT_CLASSES, Layout
 from jmegatron.sharding.rules import logical_axes_of
 from jmegatron.train.config import ScheduleConfig, TrainConfig
 from jmegatron.train.registry import OPTIMIZERS
@@ -90,7 +90,7 @@ def rank_layouts(cfg: TrainConfig, abstract_params, mesh_shape, device
     prefetch = not any(model.moe_layers) and (hides or model.prefetch)
 
     def kept(c) -> bool:   # owner's options, given, keep auto to owner, as they are given
-        if c.layout != "owner":
+        if "prefetch" not in LAYOUT_CLASSES[c.layout].options:
             return not (model.prefetch or model.keep_gathered)
         return cfg.owner_group in (None, c.owner_group) and (c.prefetch or not model.prefetch)
 

@@ -16,7 +16,7 @@ from jmegatron.data.batches import require_window
 from jmegatron.data.tokenizer import load_tokenizer
 from jmegatron.models import GPT, GPTConfig, hf
 from jmegatron.sharding import MeshConfig, Rules
-from jmegatron.sharding.layouts import Layout, make_layout
+from jmegatron.sharding.layouts import LAYOUT_CLASSES, Layout, make_layout, takers
 from jmegatron.train import run_folder
 from jmegatron.train.config import ConfigError, TrainConfig
 from jmegatron.train.distributed import same_on_all
@@ -88,9 +88,10 @@ def plan_run(cfg: TrainConfig) -> Plan:
     if cfg.top_k > cfg.model.vocab_size:
         raise ValueError(f"--top-k {cfg.top_k}: must be at most the vocabulary "
                          f"(model.vocab_size={cfg.model.vocab_size})")
-    if cfg.owner_group and cfg.layout not in ("owner", "auto"):
-        raise ValueError(f"--owner-group {cfg.owner_group} applies to --layout owner (or "
-                         f"auto), not {cfg.layout}")
+    if (cfg.owner_group and cfg.layout != "auto"
+            and "owner_group" not in LAYOUT_CLASSES[cfg.layout].options):
+        raise ValueError(f"--owner-group {cfg.owner_group} applies to --layout "
+                         f"{takers('owner_group')}, not {cfg.layout}")
     layout, model, choice = resolve_layout(cfg, mesh)
     run_folder.check_out_dir(cfg.out_dir)
     name = cfg.name or time.strftime(   # process 0's clock, on every process
@@ -135,7 +136,8 @@ def choose_layout(cfg: TrainConfig, mesh: MeshConfig) -> tuple[Layout, GPTConfig
     params = nnx.state(nnx.eval_shape(lambda: GPT(cfg.model, nnx.Rngs(0))))
     ranked, preset = rank_layouts(cfg, params, mesh.sizes(), jax.devices()[0])
     if not ranked:   # owner's options given, where the mesh allows no owner candidate
-        layout_and_model("owner", cfg, mesh)   # raises owner's refusal
+        taker = next(name for name, cls in LAYOUT_CLASSES.items() if "prefetch" in cls.options)
+        layout_and_model(taker, cfg, mesh)   # raises its refusal
     feasible, skipped = [], {}
     for estimate in ranked:
         c = estimate.candidate

@@ -32,12 +32,18 @@ from jmegatron.sharding.rules import DEFAULT_RULES, Rules
 
 __all__ = ["ASSIGNMENTS", "FSDP", "LAYOUTS", "LAYOUT_CLASSES", "Layerwise", "Layout",
            "MODEL_FLAGS", "OWNER_GROUPS", "Owner", "Replicated", "layout_label", "make_layout",
-           "owner_group_axes"]
+           "owner_group_axes", "takers"]
 
 # Every layout by name, as --layout names it.
 LAYOUT_CLASSES: dict[str, type[Layout]] = {
     cls.name: cls for cls in (Replicated, Layerwise, FSDP, Owner)}
 LAYOUTS = tuple(LAYOUT_CLASSES)
+
+
+def takers(option: str) -> str:
+    """The layouts that take run option ``option`` (``Layout.options``), as an error
+    message names them: "owner (or auto)"."""
+    return " or ".join(n for n, cls in LAYOUT_CLASSES.items() if option in cls.options) + " (or auto)"
 
 
 def make_layout(name: str, mesh_shape: Mapping[str, int], rules: Rules = DEFAULT_RULES,

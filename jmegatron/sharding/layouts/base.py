@@ -48,6 +48,9 @@ class Layout:
     (``jmegatron.optim.plan``) asks it and nothing else compares layout names."""
 
     name: ClassVar[str]
+    # The run options this layout takes beyond the others' (``TrainConfig.owner_group``,
+    # ``GPTConfig.prefetch`` and ``keep_gathered``: the owner layout's).
+    options: ClassVar[tuple[str, ...]] = ()
     rules: Rules                        # params and activations
     owner_axes: tuple[str, ...] = ()    # mesh axes a matrix stack is split over for its state
     owner_sizes: tuple[int, ...] = ()   # their sizes
@@ -121,12 +124,13 @@ class Layout:
         return None
 
     def _options_refusal(self, model, mesh_shape: Mapping[str, int]) -> str | None:
-        """The owner layout's options (``GPTConfig.prefetch``, ``keep_gathered``)
-        under a layout that has no use for them."""
-        given = [f"--model.{f.replace('_', '-')}" for f in ("prefetch", "keep_gathered")
-                 if getattr(model, f)]
-        return (f"{given[0]} applies to --layout owner (or auto), not {self.name}"
-                if given else None)
+        """Model options (``GPTConfig.prefetch``, ``keep_gathered``) under a layout that
+        does not take them (``options``)."""
+        from jmegatron.sharding.layouts import takers   # the registry imports this module
+        given = [f for f in ("prefetch", "keep_gathered")
+                 if getattr(model, f) and f not in self.options]
+        return (f"--model.{given[0].replace('_', '-')} applies to --layout "
+                f"{takers(given[0])}, not {self.name}" if given else None)
 
     def _sharding_refusal(self, model, mesh_shape: Mapping[str, int], batch_size: int,
                           microbatches: int) -> str | None:

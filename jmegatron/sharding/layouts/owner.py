@@ -30,6 +30,7 @@ from jmegatron.sharding.traffic import LeafTraffic, RunOptions, Transfer, sharde
 @dataclasses.dataclass(frozen=True)
 class Owner(Layout):
     name = "owner"
+    options = ("owner_group", "prefetch", "keep_gathered")
     group: str = "fsdp"    # the owner group as --owner-group names it (OWNER_GROUPS)
 
     @classmethod
