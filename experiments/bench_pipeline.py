@@ -2,7 +2,8 @@
 
     python -m experiments.bench_pipeline [--small] [--stages 2 4] [--per-stage 1 2 4]
                                          [--schedules gpipe circular 1f1b] [--repeats 2]
-                                         [--optim adamw] [--layout fsdp] [--out PATH]
+                                         [--optim adamw] [--layout fsdp] [--keep-gathered]
+                                         [--out PATH]
 
 On 8 devices, a GPT of 8 layers (D = 512; 256 with --small) with AdamW (or
 --optim's optimizer; Muon under fsdp orthogonalizes every matrix on every rank,
@@ -16,8 +17,10 @@ loop that sends the activations on: (T - V M) / T); the bytes per device
 the collective-permutes across ``stage`` move per step, and everything else
 that crosses it; the bytes per device of the sums over the batch axes (the
 gradients', once a step where ``Layout.pipeline_batch_axes`` names them, else
-each microbatch's: they grow with M); and the train step's temporaries per device (XLA's memory
-analysis). An idle stage's tick computes on zeros, so the devices' work
+each microbatch's: they grow with M) and of its all-gathers over them (fsdp's and
+owner's weights; with --keep-gathered, a stage's weights are gathered once a step
+and their gradients reduce-scattered once: the baseline row keeps the layout's
+default); and the train step's temporaries per device (XLA's memory analysis). An idle stage's tick computes on zeros, so the devices' work
 together is 1 / (1 - bubble) of the unpipelined step's, 4/3 of that for 1f1b,
 which runs each forward twice ("work vs none"); on 8 virtual devices sharing 2
 cores that work adds up and nothing overlaps: read the times against it, not as
@@ -57,8 +60,10 @@ def model_config(small: bool) -> GPTConfig:
 def build(model: GPTConfig, stages: int, microbatches: int, repeats: int, schedule: str,
           optim: str, layout_name: str, batch: int = BATCH):
     """(train step, state, tokens) of ``model`` on stage S x fsdp 8/S (S = 1: no
-    pipeline) under ``schedule`` (circular: ``repeats`` chunks a stage)."""
+    pipeline, and ``keep_gathered`` off) under ``schedule`` (circular: ``repeats``
+    chunks a stage)."""
     mesh = make_mesh(MeshConfig(stage=stages, data=1, fsdp=8 // stages))
+    model = model if stages > 1 else dataclasses.replace(model, keep_gathered=False)
     layout = make_layout(layout_name, mesh.shape, repeats=repeats,
                          schedule=schedule if stages > 1 else None)
     programs = build_programs(TrainConfig(optim=optim, microbatches=microbatches),
@@ -77,8 +82,9 @@ def measure(model: GPTConfig, stages: int, microbatches: int, repeats: int, sche
                                 layout_name)
     report = hlo_collectives(step, state, tokens)
     crossing = [c for c in report.collectives if c.axes is None or "stage" in c.axes]
-    sums = [c for c in report.collectives if c.kind in ("all-reduce", "reduce-scatter")
-            and c.axes and set(c.axes) <= {"data", "fsdp", "expert"}]
+    over_batch = [c for c in report.collectives
+                  if c.axes and set(c.axes) <= {"data", "fsdp", "expert"}]
+    sums = [c for c in over_batch if c.kind in ("all-reduce", "reduce-scatter")]
     permutes = [c for c in crossing if c.kind == "collective-permute"]
     n_ticks = max((c.executions for c in permutes), default=0)
     moved = lambda cs: sum(c.bytes_per_device * c.executions for c in cs)
@@ -99,6 +105,8 @@ def measure(model: GPTConfig, stages: int, microbatches: int, repeats: int, sche
             "permute_bytes_per_device": moved(permutes),
             "other_stage_bytes_per_device": moved([c for c in crossing if c not in permutes]),
             "batch_sum_bytes_per_device": moved(sums),
+            "batch_gather_bytes_per_device": moved([c for c in over_batch
+                                                    if c.kind == "all-gather"]),
             "temp_bytes_per_device": temp}
 
 
@@ -139,6 +147,8 @@ def parser() -> argparse.ArgumentParser:
                         help="chunks a stage V of the circular schedule (2 and more)")
     parser.add_argument("--optim", default="adamw", choices=optimizer_names())
     parser.add_argument("--layout", default="fsdp", choices=LAYOUTS)
+    parser.add_argument("--keep-gathered", action="store_true",
+                        help="fsdp and owner: gather each stage's weights once a step")
     parser.add_argument("--out", default=None)
     return parser
 
@@ -148,7 +158,7 @@ def main(args_list: list[str] | None = None) -> list[dict]:
     args.stages = args.stages or ([2] if args.small else [2, 4])
     args.per_stage = args.per_stage or ([1] if args.small else [1, 2, 4])
     jax.config.update("jax_num_cpu_devices", 8)
-    model = model_config(args.small)
+    model = dataclasses.replace(model_config(args.small), keep_gathered=args.keep_gathered)
     rows = [measure(model, 1, 1, 1, "gpipe", args.optim, args.layout)]
     rows += [measure(model, s, k * s, v, name, args.optim, args.layout)
              for v, name in variants(args) for s in args.stages for k in args.per_stage]
@@ -160,8 +170,8 @@ def main(args_list: list[str] | None = None) -> list[dict]:
         # also recomputes each forward: 4/3 of the layers' forward + backward.
         r["work_vs_none"] = (4 / 3 if r["schedule"] == "1f1b" else 1) / (1 - r["bubble_model"])
     print(f"model: {model.n_layers} layers, D={model.d_model}, F={model.d_ff}, "
-          f"{model.param_count() / 1e6:.1f}M params; batch {BATCH} x {SEQ}; {args.layout} layout, "
-          f"{args.optim}; stage S x fsdp 8/S")
+          f"{model.param_count() / 1e6:.1f}M params; batch {BATCH} x {SEQ}; {args.layout} layout"
+          f"{' kept gathered' if args.keep_gathered else ''}, {args.optim}; stage S x fsdp 8/S")
     print_table(rows, [("schedule", "schedule", ""), ("stages", "S", "d"),
                        ("microbatches", "M", "d"), ("step_ms", "train step ms", ".0f"),
                        ("step_vs_none", "vs none", ".2f"),
@@ -171,6 +181,7 @@ def main(args_list: list[str] | None = None) -> list[dict]:
                        ("permute_bytes_per_device", "permute bytes/dev", ",.0f"),
                        ("other_stage_bytes_per_device", "other bytes across stage/dev", ",.0f"),
                        ("batch_sum_bytes_per_device", "batch-axis sums bytes/dev", ",.0f"),
+                       ("batch_gather_bytes_per_device", "batch-axis gathers bytes/dev", ",.0f"),
                        ("temp_bytes_per_device", "temp/dev", ",.0f")])
     memory = [temporaries(model, s, k * s, v, name, args.optim, args.layout)
               for v, name in variants(args) for s in args.stages for k in args.per_stage]

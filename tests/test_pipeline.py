@@ -421,37 +421,47 @@ def test_1f1b_runs_its_ticks_and_only_activations_cross_stages_in_them(m, stage2
 
 @pytest.fixture(scope="module")
 def batch_sums():
-    """{(schedule, M): (bytes per device that the train step's all-reduces and
-    reduce-scatters over data and fsdp send, the most times one of them runs, and
-    at M = 4 the params after three steps)} under layerwise at stage 2 x data 2 x
-    fsdp 2, M microbatches of 4 rows."""
+    """{(layout, schedule, M): (bytes per device that the train step's all-reduces and
+    reduce-scatters over data and fsdp send, the most times one of them runs, and at
+    M = 4 the params after three steps)} at stage 2 x data 2 x fsdp 2, M microbatches
+    of 4 rows: layerwise, and fsdp and owner keeping each stage's weights gathered."""
     mesh = make_mesh(MeshConfig(stage=2, data=2, fsdp=2))
     out = {}
-    for train, m in itertools.product((TRAIN, CIRCULAR, ONE_F_ONE_B), (4, 8)):
-        _, _, state, step = setup(mesh, "layerwise", MODEL, train, m)
+    for layout, train, m in itertools.product(("layerwise", "fsdp", "owner"),
+                                              (TRAIN, CIRCULAR, ONE_F_ONE_B), (4, 8)):
+        model = dataclasses.replace(MODEL, keep_gathered=layout != "layerwise")
+        _, _, state, step = setup(mesh, layout, model, train, m)
         tokens = jax.random.randint(jax.random.key(m), (4 * m, T + 1), 0, MODEL.vocab_size)
         report = hlo_collectives(step, state, jax.device_put(tokens))
         sums = [c for c in report.collectives if c.kind in ("all-reduce", "reduce-scatter")
                 and c.axes and set(c.axes) <= {"data", "fsdp"}]
         for tokens in batches() if m == 4 else ():   # B = 16: the reference's batches
             state, _ = step(state, tokens)
-        out[train.pipeline.schedule, m] = (sum(c.bytes_per_device * c.executions for c in sums),
-                                           max(c.executions for c in sums),
-                                           ungroup(state.params) if m == 4 else None)
+        out[layout, train.pipeline.schedule, m] = (
+            sum(c.bytes_per_device * c.executions for c in sums),
+            max(c.executions for c in sums), ungroup(state.params) if m == 4 else None)
     return out
 
 
+@pytest.mark.parametrize("layout", ["layerwise", "fsdp", "owner"])
 @pytest.mark.parametrize("schedule", ["gpipe", "circular", "1f1b"])
-def test_gradients_are_summed_over_the_batch_once_a_step(schedule, batch_sums, reference):
-    """Where a stage's weights are whole on every batch rank, it runs manual over the
-    batch axes and sums its weights' gradients over them once, after the last
-    microbatch (Layout.pipeline_batch_axes): twice the microbatches send no more
-    bytes over the batch axes, and no sum over them runs inside a tick loop (each
-    tick summed its gradients before: gpipe sent 1.55x the bytes at M = 8 as at 4,
-    and 1f1b 3.4x today's at M = 4); three steps still equal one device's."""
-    (m4, runs4, params), (m8, runs8, _) = batch_sums[schedule, 4], batch_sums[schedule, 8]
+def test_gradients_are_summed_over_the_batch_once_a_step(layout, schedule, batch_sums,
+                                                         reference):
+    """Where a stage's weights are whole on every batch rank for the step (layerwise;
+    fsdp and owner with keep_gathered: gathered once), it runs manual over the batch
+    axes and sums its weights' gradients over them once, after the last microbatch
+    (Layout.pipeline_batch_axes; fsdp and owner by one reduce-scatter to the shards or
+    owners): twice the microbatches send no more bytes over the batch axes, and no
+    sum over them runs inside a tick loop (each tick summed its gradients before:
+    layerwise gpipe sent 1.55x the bytes at M = 8 as at 4, and 1f1b 3.4x today's at
+    M = 4; fsdp and owner without keep_gathered still do, 1.7x); three steps still
+    equal one device's."""
+    (m4, runs4, params), (m8, runs8, _) = (batch_sums[layout, schedule, m] for m in (4, 8))
     assert m8 <= 1.1 * m4 and runs4 == runs8 == 1, batch_sums
     chex.assert_trees_all_close(params, reference, rtol=1e-5, atol=1e-6)
+
+
+KEPT = dataclasses.replace(MODEL, keep_gathered=True)
 
 
 @pytest.mark.parametrize("layout, mesh_shape, model, want", [
@@ -459,16 +469,20 @@ def test_gradients_are_summed_over_the_batch_once_a_step(schedule, batch_sums, r
     ("layerwise", {"stage": 4, "data": 2}, MODEL, ("data",)),
     ("owner", {"stage": 4, "data": 2}, MODEL, ("data",)),   # an owner group of one rank
     ("owner", {"stage": 2, "data": 2, "fsdp": 2}, MODEL, ()),
+    ("owner", {"stage": 2, "data": 2, "fsdp": 2}, KEPT, ("data", "fsdp")),
     ("fsdp", {"stage": 2, "data": 2, "fsdp": 2}, MODEL, ()),
+    ("fsdp", {"stage": 2, "data": 2, "fsdp": 2}, KEPT, ("data", "fsdp")),
+    ("fsdp", {"stage": 2, "fsdp": 2, "tensor": 2}, KEPT, ()),
     ("layerwise", {"stage": 2, "fsdp": 2, "tensor": 2}, MODEL, ()),
     ("layerwise", {"stage": 4, "data": 2}, MOE_MODEL, ()),
     ("layerwise", {"data": 2, "fsdp": 4}, MODEL, ()),
-], ids=["replicated", "layerwise", "owner_of_one", "owner", "fsdp", "tensor", "moe",
-        "no_stages"])
+], ids=["replicated", "layerwise", "owner_of_one", "owner", "owner_kept", "fsdp", "fsdp_kept",
+        "fsdp_kept_tensor", "tensor", "moe", "no_stages"])
 def test_which_stages_sum_their_gradients_once(layout, mesh_shape, model, want):
-    """Only the stage and batch axes live, no param split over a batch axis (ZeRO-3
-    reduce-scatters each microbatch's), no MoE layer (its routing takes statistics over
-    the whole batch inside a layer)."""
+    """Only the stage and batch axes live, no MoE layer (its routing takes statistics
+    over the whole batch inside a layer), and no param split over a batch axis unless
+    keep_gathered keeps the stage's weights gathered for the step (without it, ZeRO-3
+    reduce-scatters each microbatch's gradients)."""
     shape = {"stage": 1, "data": 1, "fsdp": 1, "expert": 1, "tensor": 1, **mesh_shape}
     assert make_layout(layout, shape).pipeline_batch_axes(model, shape) == want
 

@@ -407,9 +407,16 @@ def test_prefetch_with_tensor_parallelism_is_refused_before_compiling(tmp_path):
     assert error == ("error: --model.prefetch gathers each owner group from a map manual "
                      "over the batch axes, so every other mesh axis must be 1: set "
                      "--mesh.tensor 1 (got tensor=2), or drop --model.prefetch")
-    # The owner layout's options under another layout are refused, not ignored.
+    # A layout's options under another layout are refused, not ignored; so is fsdp's
+    # keep-gathered where it would keep nothing (no pipeline stages).
+    error = main(*SMALL, "--layout", "layerwise", "--model.keep-gathered", "--out-dir",
+                 str(tmp_path))
+    assert error == ("error: --model.keep-gathered applies to --layout fsdp or owner (or "
+                     "auto), not layerwise")
     error = main(*SMALL, "--layout", "fsdp", "--model.keep-gathered", "--out-dir", str(tmp_path))
-    assert error == "error: --model.keep-gathered applies to --layout owner (or auto), not fsdp"
+    assert error == ("error: --model.keep-gathered under fsdp keeps each pipeline stage's "
+                     "weights gathered for the step: it needs --mesh.stage > 1, a dense model "
+                     "and no live mesh axis but the stage and batch axes")
 
 
 def test_a_full_disk_stops_the_run_with_one_line_and_keeps_the_last_checkpoint(

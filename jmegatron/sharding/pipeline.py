@@ -48,8 +48,9 @@ from jax.sharding import PartitionSpec as P
 
 from jmegatron.sharding import nested
 from jmegatron.sharding.rules import (ACT_EMBED, BATCH, SEQ, STAGES, active_mesh_and_rules,
-                                     activation_sharding, constrain, logical_axes_of,
-                                     mesh_axes_of, sum_dtype)
+                                     activation_sharding, compute_dtype_of, constrain,
+                                     gather_in, grad_dtype_of, logical_axes_of, mesh_axes_of,
+                                     spec_axes, sum_dtype)
 from jmegatron.sharding.runners import ScanRunner, Stack, StackRunner
 from jmegatron.sharding.schedules import Schedule, make_schedule
 from jmegatron.sharding.stacks import StackShape
@@ -207,7 +208,8 @@ class PipelineRunner(StackRunner):
 
 
 def over_stages(fn, mesh: jax.sharding.Mesh, rules, batch_axes: tuple[str, ...] = (),
-                combine: Callable = lambda out: out) -> Callable:
+                combine: Callable = lambda out: out,
+                param_spec: Callable[[tuple], P] | None = None) -> Callable:
     """``fn(mesh, params, *args)`` run manual over the stage axis, as
     ``(params, *args) -> fn's outputs``: the leaves of ``params`` stacked over
     ``stages`` arrive as this stage's blocks [1, ...], every other leaf and
@@ -221,31 +223,57 @@ def over_stages(fn, mesh: jax.sharding.Mesh, rules, batch_axes: tuple[str, ...] 
     it is given (``PipelineRunner``).
 
     With ``batch_axes`` (``Layout.pipeline_batch_axes``) the map is manual over them
-    too: the arguments arrive split over them along dim 0 (each rank's own rows),
-    and the params, whole on every batch rank, are cast to varying over them before
-    ``fn`` runs, so that autodiff sums their gradients over the batch axes once, at
-    that cast's transpose, and not at every tick of the pipeline; ``combine`` makes
-    ``fn``'s outputs the same on every batch rank. ``fn`` then runs its stage as one
-    device would: it must not constrain activations over ``batch_axes``."""
+    too: the arguments arrive split over them along dim 0 (each rank's own rows).
+    The params arrive as the layout places them (``param_spec`` of their logical
+    axes); those split over batch axes (fsdp, owner) are gathered whole once, in
+    the dtype they compute in (``rules.gather_in``), and all are cast to varying
+    over the batch axes before ``fn`` runs, so that autodiff sums their gradients
+    once a step, at the gather's and the cast's transposes (a reduce-scatter back
+    to the owners, an all-reduce over the other batch axes), not at every tick of
+    the pipeline; ``combine`` makes ``fn``'s outputs the same on every batch rank.
+    ``fn`` then runs its stage as one device would: it must not constrain
+    activations over ``batch_axes``."""
     axis = mesh_axes_of(STAGES, rules)
+    manual = set(axis) | set(batch_axes)
     nested.nested_maps_differentiate()   # the layers' own maps differentiate inside
 
+    def placed(v) -> P:   # where leaf v arrives: its stage's blocks, split as the layout has it
+        if not batch_axes:
+            return P(axis) if staged(v) else P()
+        return P(*(tuple(a for a in spec_axes(e) if a in manual) or None
+                   for e in param_spec(logical_axes_of(v))))
+
     def mapped(params, *args):
-        specs = [P(axis) if staged(v) else P()
-                 for v in jax.tree.leaves(params, is_leaf=lambda v: isinstance(v, nnx.Variable))]
+        variables = jax.tree.leaves(params, is_leaf=lambda v: isinstance(v, nnx.Variable))
+        specs = [placed(v) for v in variables]
         treedef = jax.tree.structure(params)
 
         def body(leaves, *args):
-            if batch_axes:   # each rank's own gradients from here: summed at this cast
-                leaves = [jax.lax.pcast(leaf, batch_axes, to="varying") for leaf in leaves]
+            if batch_axes:   # each rank's own gradients from here: summed once, at the gather
+                leaves = [whole_on_every_rank(leaf, spec, v, batch_axes)
+                          for leaf, spec, v in zip(leaves, specs, variables)]
             return combine(fn(jax.sharding.get_abstract_mesh(), treedef.unflatten(leaves),
                               *args))
 
         rows = P(batch_axes) if batch_axes else P()
         return jax.shard_map(body, mesh=mesh, in_specs=(specs, *[rows] * len(args)),
-                             out_specs=P(), axis_names=set(axis) | set(batch_axes))(
-                                 jax.tree.leaves(params), *args)
+                             out_specs=P(), axis_names=manual)(jax.tree.leaves(params), *args)
     return mapped
+
+
+def whole_on_every_rank(block: jax.Array, spec: P, variable, batch_axes: tuple[str, ...]):
+    """``block`` (placed by ``spec``) whole and varying over ``batch_axes``: gathered over
+    the batch axes that split it (at most one dim: a layout splits a weight once over
+    them), in the dtype it computes in, after a cast to varying over the others."""
+    split = {d: spec_axes(e) for d, e in enumerate(spec)
+             if set(spec_axes(e)) & set(batch_axes)}
+    others = tuple(a for a in batch_axes if not any(a in s for s in split.values()))
+    if not split:
+        return jax.lax.pcast(block, others, to="varying")
+    (dim, owners), = split.items()
+    whole = gather_in(jnp.moveaxis(block, dim, 0), compute_dtype_of(variable), owners, others,
+                      grad_dtype_of(variable))
+    return jnp.moveaxis(whole, 0, dim)
 
 
 def staged(v) -> bool:

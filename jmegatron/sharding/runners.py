@@ -38,8 +38,8 @@ from flax import nnx
 
 from jmegatron.sharding.prefetch import run_prefetched
 from jmegatron.sharding.rules import (LAYERS, active_mesh_and_rules, compute_dtype_of,
-                                     grad_dtype_of, logical_axes_of, only_batch_axes_live,
-                                     run_constrained, run_gathered)
+                                     grad_dtype_of, logical_axes_of, mesh_axes_of,
+                                     only_batch_axes_live, run_constrained, run_gathered)
 from jmegatron.sharding.scatter import run_stack
 from jmegatron.sharding.stacks import StackShape, stack_of
 
@@ -183,6 +183,10 @@ class GroupedRunner(StackRunner):
         runner = (functools.partial(run_gathered, summed=stack.summed, keep=self.keep,
                                     dtypes=stack.dtypes, grad_dtypes=stack.grad_dtypes)
                   if manual else functools.partial(run_constrained, keep=self.keep))
+        if active is not None and not any(active[0].shape[a] > 1 for a in mesh_axes_of(LAYERS, active[1])):
+            # The groups arrive whole: a pipeline stage gathered its weights once for
+            # the step (pipeline.over_stages, with keep_gathered).
+            runner = lambda fn, x, group, axes, name: fn(x, group)
 
         def run_group(x, group, size=self.group):
             return runner(lambda x, whole: run(x, whole, size), x, group, axes, LAYERS)

@@ -89,10 +89,12 @@ def rank_layouts(cfg: TrainConfig, abstract_params, mesh_shape, device
     hides = hardware(preset).overlaps and LATENCY_HIDING in os.environ.get("XLA_FLAGS", "")
     prefetch = not any(model.moe_layers) and (hides or model.prefetch)
 
-    def kept(c) -> bool:   # owner's options, given, keep auto to owner, as they are given
-        if "prefetch" not in LAYOUT_CLASSES[c.layout].options:
-            return not (model.prefetch or model.keep_gathered)
-        return cfg.owner_group in (None, c.owner_group) and (c.prefetch or not model.prefetch)
+    given = {f for f, on in (("owner_group", cfg.owner_group), ("prefetch", model.prefetch),
+                             ("keep_gathered", model.keep_gathered)) if on}
+
+    def kept(c) -> bool:   # options given keep auto to the layouts that take them, as given
+        return (given <= set(LAYOUT_CLASSES[c.layout].options)
+                and cfg.owner_group in (None, c.owner_group) and (c.prefetch or not model.prefetch))
 
     ranked = estimate(abstract_params, mesh_shape, preset,
                       cost=entry.matrix_flops(cfg) if entry else None, routing=routing_of(cfg),

@@ -43,14 +43,14 @@ def make_loss_fn(graphdef: nnx.GraphDef, model_cfg: GPTConfig, mesh: jax.shardin
         return functools.partial(plain_loss(graphdef, model_cfg, runner, layout.rules, z_loss),
                                  mesh)
     # Each stage runs its own blocks (sharding.pipeline), manual over the batch axes too
-    # where the layout's stage weights are whole on every batch rank: their gradients
-    # are then summed once per step.
+    # where the layout sums a stage's gradients once a step: its weights are then whole
+    # on every batch rank for the step (gathered once where the layout splits them).
     batch_axes = layout.pipeline_batch_axes(model_cfg, mesh.shape)
     rules = without_axes(layout.rules, batch_axes)
     loss_on = (one_f_one_b_loss if runner.table.own_backward else plain_loss)(
         graphdef, model_cfg, runner, rules, z_loss)
     return over_stages(loss_on, mesh, rules, batch_axes,
-                       functools.partial(same_on_every_rank, axes=batch_axes))
+                       functools.partial(same_on_every_rank, axes=batch_axes), layout.param_spec)
 
 
 def plain_loss(graphdef: nnx.GraphDef, cfg: GPTConfig, runner, rules: Rules, z_loss: float):

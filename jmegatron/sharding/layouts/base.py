@@ -49,7 +49,7 @@ class Layout:
 
     name: ClassVar[str]
     # The run options this layout takes beyond the others' (``TrainConfig.owner_group``,
-    # ``GPTConfig.prefetch`` and ``keep_gathered``: the owner layout's).
+    # ``GPTConfig.prefetch`` and ``keep_gathered``: owner's; fsdp takes keep_gathered).
     options: ClassVar[tuple[str, ...]] = ()
     rules: Rules                        # params and activations
     owner_axes: tuple[str, ...] = ()    # mesh axes a matrix stack is split over for its state
@@ -229,13 +229,14 @@ class Layout:
     def pipeline_batch_axes(self, model, mesh_shape: Mapping[str, int]) -> tuple[str, ...]:
         """The batch axes a pipeline stage's map is manual over besides the stages'
         (``pipeline.over_stages``): there each rank runs its own rows as one device
-        would and its weights' gradients, unreduced over the microbatches, are summed
-        over the batch axes once per step, not at every tick. All the live batch axes
-        where, with the stages', they are the only live ones, none splits a param
-        (the stage's weights are whole on every batch rank: replicated, layerwise,
-        and owner or fsdp whose group has one rank), and ``model`` has no MoE layer
-        (its routing takes statistics over the whole batch inside a layer); else
-        none, and XLA sums each tick's gradients as it computes them (ZeRO-3's
+        would, on its stage's weights whole, and their gradients, unreduced over the
+        microbatches, are summed over the batch axes once per step, not at every
+        tick. All the live batch axes where, with the stages', they are the only live
+        ones, ``model`` has no MoE layer (its routing takes statistics over the whole
+        batch inside a layer), and the stage's weights are whole on every batch rank
+        (replicated, layerwise) or ``model.keep_gathered`` keeps them gathered for the
+        step (fsdp, owner: gathered once, their gradients reduce-scattered once);
+        else none, and XLA sums each tick's gradients as it computes them (ZeRO-3's
         reduce-scatter per microbatch, for fsdp and owner)."""
         roles = axis_roles(self.rules)
         live = {a for a, n in mesh_shape.items() if n > 1}
@@ -243,7 +244,8 @@ class Layout:
         param_axes = {a for name, entry in self.rules if name not in ACTIVATION_AXES
                       for a in mesh_axes_of(name, self.rules)}
         if (self.stages == 1 or live - set(batch) - set(roles.stages)
-                or param_axes & set(batch) or any(model.moe_layers)):
+                or (param_axes & set(batch) and not model.keep_gathered)
+                or any(model.moe_layers)):
             return ()
         return batch
 
