@@ -419,46 +419,72 @@ def test_1f1b_runs_its_ticks_and_only_activations_cross_stages_in_them(m, stage2
     assert weights <= once < weights + rows * T * d * 4, report.table()
 
 
+# Layerwise at stage 2 x data 2 x fsdp 2 with 8 layers: each stage's 4 layers are shared
+# out one per data x fsdp rank, so their gradients can be reduce-scattered onto the owners.
+DEEP = dataclasses.replace(MODEL, n_layers=8)
+SUMMED_ONCE = {"layerwise": DEEP, "fsdp": dataclasses.replace(MODEL, keep_gathered=True),
+               "owner": dataclasses.replace(MODEL, keep_gathered=True)}
+
+
 @pytest.fixture(scope="module")
 def batch_sums():
-    """{(layout, schedule, M): (bytes per device that the train step's all-reduces and
-    reduce-scatters over data and fsdp send, the most times one of them runs, and at
-    M = 4 the params after three steps)} at stage 2 x data 2 x fsdp 2, M microbatches
-    of 4 rows: layerwise, and fsdp and owner keeping each stage's weights gathered."""
+    """{(layout, schedule, M): the train step's sums over data and fsdp (all-reduces and
+    reduce-scatters, their bytes per device and executions), and at M = 4 the params
+    after three steps} at stage 2 x data 2 x fsdp 2, M microbatches of 4 rows, for
+    each layout's model of SUMMED_ONCE; {layout: that model's params on one device}."""
     mesh = make_mesh(MeshConfig(stage=2, data=2, fsdp=2))
     out = {}
-    for layout, train, m in itertools.product(("layerwise", "fsdp", "owner"),
-                                              (TRAIN, CIRCULAR, ONE_F_ONE_B), (4, 8)):
-        model = dataclasses.replace(MODEL, keep_gathered=layout != "layerwise")
-        _, _, state, step = setup(mesh, layout, model, train, m)
+    for layout, train, m in itertools.product(SUMMED_ONCE, (TRAIN, CIRCULAR, ONE_F_ONE_B),
+                                              (4, 8)):
+        _, _, state, step = setup(mesh, layout, SUMMED_ONCE[layout], train, m)
         tokens = jax.random.randint(jax.random.key(m), (4 * m, T + 1), 0, MODEL.vocab_size)
         report = hlo_collectives(step, state, jax.device_put(tokens))
         sums = [c for c in report.collectives if c.kind in ("all-reduce", "reduce-scatter")
                 and c.axes and set(c.axes) <= {"data", "fsdp"}]
         for tokens in batches() if m == 4 else ():   # B = 16: the reference's batches
             state, _ = step(state, tokens)
-        out[layout, train.pipeline.schedule, m] = (
-            sum(c.bytes_per_device * c.executions for c in sums),
-            max(c.executions for c in sums), ungroup(state.params) if m == 4 else None)
-    return out
+        out[layout, train.pipeline.schedule, m] = (sums, ungroup(state.params) if m == 4 else None)
+    deep = three_steps(MeshConfig(fsdp=1), model=DEEP, devices=1, microbatches=1)
+    return out, {"layerwise": deep}
 
 
-@pytest.mark.parametrize("layout", ["layerwise", "fsdp", "owner"])
+def moved(collectives) -> float:
+    return sum(c.bytes_per_device * c.executions for c in collectives)
+
+
+@pytest.mark.parametrize("layout", list(SUMMED_ONCE))
 @pytest.mark.parametrize("schedule", ["gpipe", "circular", "1f1b"])
 def test_gradients_are_summed_over_the_batch_once_a_step(layout, schedule, batch_sums,
                                                          reference):
     """Where a stage's weights are whole on every batch rank for the step (layerwise;
     fsdp and owner with keep_gathered: gathered once), it runs manual over the batch
     axes and sums its weights' gradients over them once, after the last microbatch
-    (Layout.pipeline_batch_axes; fsdp and owner by one reduce-scatter to the shards or
-    owners): twice the microbatches send no more bytes over the batch axes, and no
-    sum over them runs inside a tick loop (each tick summed its gradients before:
-    layerwise gpipe sent 1.55x the bytes at M = 8 as at 4, and 1f1b 3.4x today's at
-    M = 4; fsdp and owner without keep_gathered still do, 1.7x); three steps still
-    equal one device's."""
-    (m4, runs4, params), (m8, runs8, _) = (batch_sums[layout, schedule, m] for m in (4, 8))
-    assert m8 <= 1.1 * m4 and runs4 == runs8 == 1, batch_sums
-    chex.assert_trees_all_close(params, reference, rtol=1e-5, atol=1e-6)
+    (Layout.pipeline_batch_axes), by one reduce-scatter to the shards or owners:
+    twice the microbatches send no more bytes over the batch axes, and no sum over
+    them runs inside a tick loop (each tick summed its gradients before: layerwise
+    gpipe sent 1.55x the bytes at M = 8 as at 4, and 1f1b 3.4x today's at M = 4;
+    fsdp and owner without keep_gathered still do, 1.7x); three steps still equal
+    one device's."""
+    runs, references = batch_sums
+    (m4, params), (m8, _) = (runs[layout, schedule, m] for m in (4, 8))
+    assert moved(m8) <= 1.1 * moved(m4), runs
+    assert max(c.executions for c in m4 + m8) == 1, runs
+    chex.assert_trees_all_close(params, references.get(layout, reference), rtol=1e-5,
+                                atol=1e-6)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "circular", "1f1b"])
+def test_layerwise_stages_reduce_scatter_their_gradients_to_the_owners(schedule, batch_sums):
+    """Layerwise's stage weights reach their owners by one reduce-scatter
+    (Layerwise.pipeline_gradient_spec), not an all-reduce: the all-reduces over the
+    batch axes carry only the params outside the stages (embedding, head, final norm),
+    whose state is replicated."""
+    sums, params = batch_sums[0]["layerwise", schedule, 4]
+    outside = sum(a.size * a.dtype.itemsize for key in params if key != "blocks"
+                  for a in jax.tree.leaves(params[key]))
+    reduced = moved([c for c in sums if c.kind == "all-reduce"])
+    scattered = moved([c for c in sums if c.kind == "reduce-scatter"])
+    assert scattered > 0 and reduced <= 2 * 3 / 4 * outside * 1.01, (reduced, scattered, outside)
 
 
 KEPT = dataclasses.replace(MODEL, keep_gathered=True)

@@ -50,7 +50,7 @@ from jmegatron.sharding import nested
 from jmegatron.sharding.rules import (ACT_EMBED, BATCH, SEQ, STAGES, active_mesh_and_rules,
                                      activation_sharding, compute_dtype_of, constrain,
                                      gather_in, grad_dtype_of, logical_axes_of, mesh_axes_of,
-                                     spec_axes, sum_dtype)
+                                     scatter_to_owners, spec_axes, sum_dtype)
 from jmegatron.sharding.runners import ScanRunner, Stack, StackRunner
 from jmegatron.sharding.schedules import Schedule, make_schedule
 from jmegatron.sharding.stacks import StackShape
@@ -209,7 +209,8 @@ class PipelineRunner(StackRunner):
 
 def over_stages(fn, mesh: jax.sharding.Mesh, rules, batch_axes: tuple[str, ...] = (),
                 combine: Callable = lambda out: out,
-                param_spec: Callable[[tuple], P] | None = None) -> Callable:
+                param_spec: Callable[[tuple], P] | None = None,
+                gradient_spec: Callable[[tuple, tuple], P] | None = None) -> Callable:
     """``fn(mesh, params, *args)`` run manual over the stage axis, as
     ``(params, *args) -> fn's outputs``: the leaves of ``params`` stacked over
     ``stages`` arrive as this stage's blocks [1, ...], every other leaf and
@@ -231,49 +232,84 @@ def over_stages(fn, mesh: jax.sharding.Mesh, rules, batch_axes: tuple[str, ...] 
     once a step, at the gather's and the cast's transposes (a reduce-scatter back
     to the owners, an all-reduce over the other batch axes), not at every tick of
     the pipeline; ``combine`` makes ``fn``'s outputs the same on every batch rank.
-    ``fn`` then runs its stage as one device would: it must not constrain
-    activations over ``batch_axes``."""
+    A whole param whose gradient the layout wants split over batch axes
+    (``gradient_spec`` of its logical axes and shape: layerwise's owners) also
+    arrives as that view, and its gradient is reduce-scattered onto the view
+    instead of all-reduced. ``fn`` then runs its stage as one device would: it
+    must not constrain activations over ``batch_axes``."""
     axis = mesh_axes_of(STAGES, rules)
     manual = set(axis) | set(batch_axes)
     nested.nested_maps_differentiate()   # the layers' own maps differentiate inside
 
-    def placed(v) -> P:   # where leaf v arrives: its stage's blocks, split as the layout has it
+    inside = lambda spec: P(*(tuple(a for a in spec_axes(e) if a in manual) or None
+                              for e in spec))
+
+    def placed(v, leaf) -> tuple[P, P]:   # where leaf v arrives, and where its gradient leaves
         if not batch_axes:
-            return P(axis) if staged(v) else P()
-        return P(*(tuple(a for a in spec_axes(e) if a in manual) or None
-                   for e in param_spec(logical_axes_of(v))))
+            return (P(axis) if staged(v) else P(),) * 2
+        logical = logical_axes_of(v)
+        return (inside(param_spec(logical)), inside(
+            gradient_spec(logical, leaf.shape) if gradient_spec else param_spec(logical)))
 
     def mapped(params, *args):
         variables = jax.tree.leaves(params, is_leaf=lambda v: isinstance(v, nnx.Variable))
-        specs = [placed(v) for v in variables]
+        leaves = jax.tree.leaves(params)
+        specs, views = zip(*map(placed, variables, leaves))
         treedef = jax.tree.structure(params)
 
-        def body(leaves, *args):
+        def body(leaves, views_in, *args):
             if batch_axes:   # each rank's own gradients from here: summed once, at the gather
-                leaves = [whole_on_every_rank(leaf, spec, v, batch_axes)
-                          for leaf, spec, v in zip(leaves, specs, variables)]
+                leaves = [whole_on_every_rank(leaf, view, spec, view_spec, v, batch_axes)
+                          for leaf, view, spec, view_spec, v
+                          in zip(leaves, views_in, specs, views, variables)]
             return combine(fn(jax.sharding.get_abstract_mesh(), treedef.unflatten(leaves),
                               *args))
 
         rows = P(batch_axes) if batch_axes else P()
-        return jax.shard_map(body, mesh=mesh, in_specs=(specs, *[rows] * len(args)),
-                             out_specs=P(), axis_names=manual)(jax.tree.leaves(params), *args)
+        return jax.shard_map(body, mesh=mesh,
+                             in_specs=(list(specs), list(views), *[rows] * len(args)),
+                             out_specs=P(), axis_names=manual)(leaves, leaves, *args)
     return mapped
 
 
-def whole_on_every_rank(block: jax.Array, spec: P, variable, batch_axes: tuple[str, ...]):
+def whole_on_every_rank(block: jax.Array, view: jax.Array, spec: P, view_spec: P, variable,
+                        batch_axes: tuple[str, ...]):
     """``block`` (placed by ``spec``) whole and varying over ``batch_axes``: gathered over
     the batch axes that split it (at most one dim: a layout splits a weight once over
-    them), in the dtype it computes in, after a cast to varying over the others."""
-    split = {d: spec_axes(e) for d, e in enumerate(spec)
-             if set(spec_axes(e)) & set(batch_axes)}
-    others = tuple(a for a in batch_axes if not any(a in s for s in split.values()))
+    them), in the dtype it computes in, after a cast to varying over the others; or,
+    whole already and with a ``view`` that ``view_spec`` splits over batch axes, its
+    gradient reduce-scattered onto that view. ``view`` is ``block`` again, placed by
+    ``view_spec``: unused, but for its gradient."""
+    split = split_dims(spec, batch_axes) or split_dims(view_spec, batch_axes)
     if not split:
-        return jax.lax.pcast(block, others, to="varying")
+        return jax.lax.pcast(block, batch_axes, to="varying")
     (dim, owners), = split.items()
-    whole = gather_in(jnp.moveaxis(block, dim, 0), compute_dtype_of(variable), owners, others,
-                      grad_dtype_of(variable))
-    return jnp.moveaxis(whole, 0, dim)
+    others = tuple(a for a in batch_axes if a not in owners)
+    dtype, wide = compute_dtype_of(variable), grad_dtype_of(variable)
+    if split_dims(spec, batch_axes):
+        whole = gather_in(jnp.moveaxis(block, dim, 0), dtype, owners, others, wide)
+        return jnp.moveaxis(whole, 0, dim)
+
+    @jax.custom_vjp
+    def scattered(block, view):
+        return jax.lax.pcast(block, batch_axes, to="varying")
+
+    shape, master, stages = block.shape, block.dtype, tuple(nested.varying_axes(block))
+
+    def backward(_, g):   # this rank's whole gradient -> the view's part, summed
+        d = scatter_to_owners(jnp.moveaxis(g, dim, 0).astype(wide), owners, others, master)
+        none = jnp.zeros(shape, master)   # the block's, typed as it is (varying over stages)
+        return (jax.lax.pcast(none, stages, to="varying") if stages else none,
+                jnp.moveaxis(d, 0, dim))
+
+    scattered.defvjp(lambda block, view: (scattered(block, view), None), backward)
+    return scattered(block, view)
+
+
+def split_dims(spec: P, axes: tuple[str, ...]) -> dict[int, tuple[str, ...]]:
+    """{dim: the axes of ``axes`` that split it} for the dims of ``spec`` they split."""
+    return {d: tuple(a for a in spec_axes(e) if a in axes) for d, e in enumerate(spec)
+            if set(spec_axes(e)) & set(axes)}
 
 
 def staged(v) -> bool:

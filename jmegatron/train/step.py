@@ -50,7 +50,8 @@ def make_loss_fn(graphdef: nnx.GraphDef, model_cfg: GPTConfig, mesh: jax.shardin
     loss_on = (one_f_one_b_loss if runner.table.own_backward else plain_loss)(
         graphdef, model_cfg, runner, rules, z_loss)
     return over_stages(loss_on, mesh, rules, batch_axes,
-                       functools.partial(same_on_every_rank, axes=batch_axes), layout.param_spec)
+                       functools.partial(same_on_every_rank, axes=batch_axes), layout.param_spec,
+                       layout.pipeline_gradient_spec)
 
 
 def plain_loss(graphdef: nnx.GraphDef, cfg: GPTConfig, runner, rules: Rules, z_loss: float):

@@ -249,6 +249,13 @@ class Layout:
             return ()
         return batch
 
+    def pipeline_gradient_spec(self, logical: tuple, shape: tuple[int, ...]) -> P:
+        """Where a pipeline stage's map (manual over ``pipeline_batch_axes``) leaves the
+        once-a-step gradient of a param with ``logical`` axes and ``shape``: as the param
+        lies (summed over the batch axes it is whole on, reduce-scattered over those that
+        split it)."""
+        return self.param_spec(logical)
+
     def masters_on_owners(self, compute_dtype, grad_dtype, stack_owners: int,
                           dealt: bool) -> bool:
         """Whether a matrix stack's fp32 params live with its state on its

@@ -83,6 +83,21 @@ class Layerwise(Layout):
         entries[dim] = free or None
         return P(*entries)
 
+    def pipeline_gradient_spec(self, logical: tuple, shape: tuple[int, ...]) -> P:
+        """A stage's stacked weights [S, n, ...]: their gradient reduce-scattered over the
+        owners along n, where they divide it (each then holds its contiguous block, as
+        ``state_spec`` places a matrix stack's state: the optimizer slices nothing;
+        a norm's, replicated state gathers its block back, an all-reduce's bytes);
+        else as the param lies (all-reduced)."""
+        spec = self.param_spec(logical)
+        owners = math.prod(self.owner_sizes)
+        if (owners == 1 or len(logical) < 2 or logical[0] != STAGES or shape[1] % owners
+                or spec_axes(tuple(spec)[1] if len(spec) > 1 else None)):
+            return spec
+        entries = [*spec, *[None] * (len(logical) - len(spec))]
+        entries[1] = self.owner_axes
+        return P(*entries)
+
     def stack_owners(self, state: P, stack_dim: int) -> int:
         sizes = dict(zip(self.owner_axes, self.owner_sizes))
         entry = tuple(state)[stack_dim] if stack_dim < len(state) else None
