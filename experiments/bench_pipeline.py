@@ -20,12 +20,12 @@ gradients', once a step where ``Layout.pipeline_batch_axes`` names them, else
 each microbatch's: they grow with M) and of its all-gathers over them (fsdp's and
 owner's weights; with --keep-gathered, a stage's weights are gathered once a step
 and their gradients reduce-scattered once: the baseline row keeps the layout's
-default); and the train step's temporaries per device (XLA's memory analysis). An idle stage's tick computes on zeros, so the devices' work
-together is 1 / (1 - bubble) of the unpipelined step's, 4/3 of that for 1f1b,
-which runs each forward twice ("work vs none"); on 8 virtual devices sharing 2
-cores that work adds up and nothing overlaps: read the times against it, not as
-a GPU's speed. A second table compiles each
-schedule with M microbatches of a fixed size, so the batch grows with M: the
+default); and the train step's temporaries per device (XLA's memory analysis).
+An idle stage's tick computes on zeros, so the devices' work together is
+1 / (1 - bubble) of the unpipelined step's, 4/3 of that for 1f1b, which runs
+each forward twice ("work vs none"); on 8 virtual devices sharing 2 cores that
+work adds up and nothing overlaps: read the times against it, not as a GPU's
+speed. A second table compiles each schedule with M microbatches of a fixed size, so the batch grows with M: the
 temporaries per device, also in units of one microbatch's activations.
 """
 

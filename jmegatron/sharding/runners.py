@@ -183,7 +183,8 @@ class GroupedRunner(StackRunner):
         runner = (functools.partial(run_gathered, summed=stack.summed, keep=self.keep,
                                     dtypes=stack.dtypes, grad_dtypes=stack.grad_dtypes)
                   if manual else functools.partial(run_constrained, keep=self.keep))
-        if active is not None and not any(active[0].shape[a] > 1 for a in mesh_axes_of(LAYERS, active[1])):
+        if active is not None and not any(active[0].shape[a] > 1
+                                          for a in mesh_axes_of(LAYERS, active[1])):
             # The groups arrive whole: a pipeline stage gathered its weights once for
             # the step (pipeline.over_stages, with keep_gathered).
             runner = lambda fn, x, group, axes, name: fn(x, group)

@@ -43,7 +43,8 @@ LAYOUTS = tuple(LAYOUT_CLASSES)
 def takers(option: str) -> str:
     """The layouts that take run option ``option`` (``Layout.options``), as an error
     message names them: "owner (or auto)"."""
-    return " or ".join(n for n, cls in LAYOUT_CLASSES.items() if option in cls.options) + " (or auto)"
+    names = [name for name, cls in LAYOUT_CLASSES.items() if option in cls.options]
+    return " or ".join(names) + " (or auto)"
 
 
 def make_layout(name: str, mesh_shape: Mapping[str, int], rules: Rules = DEFAULT_RULES,
