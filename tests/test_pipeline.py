@@ -487,6 +487,25 @@ def test_layerwise_stages_reduce_scatter_their_gradients_to_the_owners(schedule,
     assert scattered > 0 and reduced <= 2 * 3 / 4 * outside * 1.01, (reduced, scattered, outside)
 
 
+def test_moe_stages_sum_their_gradients_once_a_step():
+    """MoE layers inside a stage manual over the batch axes sum their routing
+    statistics over the batch ranks themselves, once a tick (a few dozen bytes); the
+    weights' gradients are summed once a step: the batch-axis bytes do not grow with
+    M. (Equal to one device: test_moe_three_steps_equal_one_device at stage 4 x
+    data 2, and the circular one, run so.)"""
+    mesh = make_mesh(MeshConfig(stage=2, data=2, fsdp=2))
+    sums = {}
+    for m in (4, 8):
+        _, _, state, step = setup(mesh, "layerwise", MOE_MODEL, TRAIN, m)
+        tokens = jax.random.randint(jax.random.key(m), (4 * m, T + 1), 0, MODEL.vocab_size)
+        sums[m] = [c for c in hlo_collectives(step, state, jax.device_put(tokens)).collectives
+                   if c.kind in ("all-reduce", "reduce-scatter") and c.axes
+                   and set(c.axes) <= {"data", "fsdp"}]
+    assert moved(sums[8]) <= 1.1 * moved(sums[4]), sums
+    largest = max(c.bytes_per_device for c in sums[8])
+    assert all(c.bytes_per_device < 0.01 * largest for c in sums[8] if c.executions > 1), sums
+
+
 KEPT = dataclasses.replace(MODEL, keep_gathered=True)
 
 
@@ -500,17 +519,23 @@ KEPT = dataclasses.replace(MODEL, keep_gathered=True)
     ("fsdp", {"stage": 2, "data": 2, "fsdp": 2}, KEPT, ("data", "fsdp")),
     ("fsdp", {"stage": 2, "fsdp": 2, "tensor": 2}, KEPT, ()),
     ("layerwise", {"stage": 2, "fsdp": 2, "tensor": 2}, MODEL, ()),
-    ("layerwise", {"stage": 4, "data": 2}, MOE_MODEL, ()),
+    ("layerwise", {"stage": 4, "data": 2}, MOE_MODEL, ("data",)),
+    ("layerwise", {"stage": 2, "data": 2, "expert": 2}, MOE_MODEL, ()),
     ("layerwise", {"data": 2, "fsdp": 4}, MODEL, ()),
 ], ids=["replicated", "layerwise", "owner_of_one", "owner", "owner_kept", "fsdp", "fsdp_kept",
-        "fsdp_kept_tensor", "tensor", "moe", "no_stages"])
+        "fsdp_kept_tensor", "tensor", "moe", "moe_experts", "no_stages"])
 def test_which_stages_sum_their_gradients_once(layout, mesh_shape, model, want):
-    """Only the stage and batch axes live, no MoE layer (its routing takes statistics
-    over the whole batch inside a layer), and no param split over a batch axis unless
+    """Only the stage and batch axes live, no param split over a batch axis unless
     keep_gathered keeps the stage's weights gathered for the step (without it, ZeRO-3
-    reduce-scatters each microbatch's gradients)."""
+    reduce-scatters each microbatch's gradients), and MoE layers only where their
+    experts are whole and the schedule is JAX-differentiated (they sum their routing
+    statistics over the batch ranks inside the layer: the MoE equality tests at
+    stage 4 x data 2 run so); not under 1f1b, whose own backward seeds those
+    statistics' loss per rank."""
     shape = {"stage": 1, "data": 1, "fsdp": 1, "expert": 1, "tensor": 1, **mesh_shape}
     assert make_layout(layout, shape).pipeline_batch_axes(model, shape) == want
+    assert make_layout(layout, shape, schedule="1f1b").pipeline_batch_axes(model, shape) == (
+        () if any(model.moe_layers) else want)
 
 
 def test_bf16_pipelines_compile_and_agree():
