@@ -265,10 +265,12 @@ def over_stages(fn, mesh: jax.sharding.Mesh, rules, batch_axes: tuple[str, ...] 
             return combine(fn(jax.sharding.get_abstract_mesh(), treedef.unflatten(leaves),
                               *args))
 
-        rows = P(batch_axes) if batch_axes else P()
+        # The views only where a gradient may leave split otherwise than its param.
+        rows, seen = (P(batch_axes), leaves) if batch_axes else (P(), [])
         return jax.shard_map(body, mesh=mesh,
-                             in_specs=(list(specs), list(views), *[rows] * len(args)),
-                             out_specs=P(), axis_names=manual)(leaves, leaves, *args)
+                             in_specs=(list(specs), list(views[:len(seen)]),
+                                       *[rows] * len(args)),
+                             out_specs=P(), axis_names=manual)(leaves, seen, *args)
     return mapped
 
 

@@ -27,7 +27,10 @@ tick each, so the bubble is (2S - 2) / (M + 2S - 2), about twice GPipe's.
 The loss of a microbatch is its own mean token loss; the step's loss is the
 mean over the M microbatches plus the layers' stats loss (MoE), which is
 linear in the stats: each layer's stats get the constant cotangent
-``grad(stats_loss) / M`` in the backward. The gradients of the embedding and
+``grad(stats_loss) / M`` in the backward, times the batch ranks where the stage
+runs manual over the batch axes (``Layout.pipeline_batch_axes``): there the
+layers sum the stats over those ranks, every rank's loss carries the stats loss
+and the step takes the ranks' mean, so each rank seeds the whole sum's share. The gradients of the embedding and
 head (computed on the first and last stage) are summed over the stages once,
 at the end of the step: the weight-sized all-reduce Megatron also makes for
 tied embeddings.
@@ -41,6 +44,7 @@ References:
 
 from __future__ import annotations
 
+import math
 from typing import Callable, NamedTuple
 
 import jax
@@ -180,11 +184,14 @@ def _stats_cotangents(stack: Stack, runner, stats_shape: dict, stats_loss, m: in
     """(ok, stats) -> the cotangents of one chunk's ``stats`` [c, ...] in a backward: for each stat
     the layers sum over the batch, the gradient of ``stats_loss`` (linear, so
     taken once) of the chunk's layers over M (the loss takes their mean over the
-    microbatches); zero for the padding slots, the per-example stats, and when
-    ``ok`` is False."""
+    microbatches), times the batch ranks the stage runs manual over (each rank's loss
+    carries the stats loss of the whole batch, and the step takes their mean); zero
+    for the padding slots, the per-example stats, and when ``ok`` is False."""
     whole = {k: jnp.zeros((stack.n, *a.shape[1:]), a.dtype)
              for k, a in stats_shape.items() if k in stack.summed}
     grad = jax.grad(stats_loss)(whole) if whole else {}
+    batch_ranks = math.prod(jax.sharding.get_abstract_mesh().shape[a] for a in
+                            jax.sharding.get_abstract_mesh().manual_axes if a not in axis)
     chunk = runner.chunk_size(stack)
     local = stack.shape   # this stage's [1, ...]: the whole stack has S of them
     whole_stack = StackShape(local.layers, (runner.stages, *local.dims[1:]), True)
@@ -197,7 +204,7 @@ def _stats_cotangents(stack: Stack, runner, stats_shape: dict, stats_loss, m: in
             # A stat the same on every stage (a constant) depends on nothing it runs.
             if k not in grad or not set(axis) <= nested.varying_axes(a):
                 return jnp.zeros_like(a)
-            g = grad[k][jnp.maximum(layer_at, 0)] / m
+            g = grad[k][jnp.maximum(layer_at, 0)] * batch_ranks / m
             return jnp.where(ok & real.reshape(-1, *[1] * (a.ndim - 1)), g, 0).astype(a.dtype)
         return {k: one(k, a) for k, a in stats.items()}
     return cotangents

@@ -233,8 +233,9 @@ class Layout:
         would, on its stage's weights whole, and their gradients, unreduced over the
         microbatches, are summed over the batch axes once per step, not at every
         tick. All the live batch axes where, with the stages', they are the only live
-        ones, ``model``'s MoE layers, if any, can sum their routing statistics over
-        the batch ranks themselves (``_moe_sums_per_tick``), and the stage's weights
+        ones, ``model``'s MoE layers, if any, have their experts whole (they then sum
+        their routing statistics over the batch ranks themselves; split over a live
+        axis, a map manual over it would hold every expert), and the stage's weights
         are whole on every batch rank (replicated, layerwise) or ``model.keep_gathered`` keeps them gathered for the
         step (fsdp, owner: gathered once, their gradients reduce-scattered once);
         else none, and XLA sums each tick's gradients as it computes them (ZeRO-3's
@@ -244,21 +245,12 @@ class Layout:
         batch = tuple(a for a in roles.batch if a in live)
         param_axes = {a for name, entry in self.rules if name not in ACTIVATION_AXES
                       for a in mesh_axes_of(name, self.rules)}
+        experts_split = set(mesh_axes_of(EXPERTS, self.rules)) & live
         if (self.stages == 1 or live - set(batch) - set(roles.stages)
                 or (param_axes & set(batch) and not model.keep_gathered)
-                or (any(model.moe_layers) and self._moe_sums_per_tick(live))):
+                or (any(model.moe_layers) and experts_split)):
             return ()
         return batch
-
-    def _moe_sums_per_tick(self, live: set) -> bool:
-        """Whether MoE layers keep the per-tick sums: where experts are split over a
-        live axis (a stage's map manual over it would hold every expert), or under
-        an own-backward schedule (1f1b), which seeds the layers' stats loss on each
-        rank as if its stats were its own, not summed over the batch ranks inside
-        the layer (pipeline_1f1b._stats_cotangents)."""
-        own_backward = make_schedule(self.schedule, self.stages, self.stages * self.repeats,
-                                     self.repeats).own_backward
-        return bool(set(mesh_axes_of(EXPERTS, self.rules)) & live) or own_backward
 
     def pipeline_gradient_spec(self, logical: tuple, shape: tuple[int, ...]) -> P:
         """Where a pipeline stage's map (manual over ``pipeline_batch_axes``) leaves the
