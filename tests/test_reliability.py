@@ -415,8 +415,9 @@ def test_prefetch_with_tensor_parallelism_is_refused_before_compiling(tmp_path):
                      "auto), not layerwise")
     error = main(*SMALL, "--layout", "fsdp", "--model.keep-gathered", "--out-dir", str(tmp_path))
     assert error == ("error: --model.keep-gathered under fsdp keeps each pipeline stage's "
-                     "weights gathered for the step: it needs --mesh.stage > 1, a dense model "
-                     "and no live mesh axis but the stage and batch axes")
+                     "weights gathered for the step: it needs --mesh.stage > 1, no live mesh "
+                     "axis but the stage and batch axes, and experts not split (--mesh.expert "
+                     "1)")
 
 
 def test_a_full_disk_stops_the_run_with_one_line_and_keeps_the_last_checkpoint(

@@ -34,8 +34,8 @@ class FSDP(Layout):
         needs a stage map manual over the batch axes (``pipeline_batch_axes``)."""
         if model.keep_gathered and not self.pipeline_batch_axes(model, mesh_shape):
             return ("--model.keep-gathered under fsdp keeps each pipeline stage's weights "
-                    "gathered for the step: it needs --mesh.stage > 1, a dense model and "
-                    "no live mesh axis but the stage and batch axes")
+                    "gathered for the step: it needs --mesh.stage > 1, no live mesh axis but "
+                    "the stage and batch axes, and experts not split (--mesh.expert 1)")
         return super()._options_refusal(model, mesh_shape)
 
     def traffic(self, leaf: LeafTraffic, run: RunOptions) -> list[Transfer]:
