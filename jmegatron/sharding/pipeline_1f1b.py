@@ -190,8 +190,8 @@ def _stats_cotangents(stack: Stack, runner, stats_shape: dict, stats_loss, m: in
     whole = {k: jnp.zeros((stack.n, *a.shape[1:]), a.dtype)
              for k, a in stats_shape.items() if k in stack.summed}
     grad = jax.grad(stats_loss)(whole) if whole else {}
-    batch_ranks = math.prod(jax.sharding.get_abstract_mesh().shape[a] for a in
-                            jax.sharding.get_abstract_mesh().manual_axes if a not in axis)
+    mesh = jax.sharding.get_abstract_mesh()
+    batch_ranks = math.prod(mesh.shape[a] for a in mesh.manual_axes if a not in axis)
     chunk = runner.chunk_size(stack)
     local = stack.shape   # this stage's [1, ...]: the whole stack has S of them
     whole_stack = StackShape(local.layers, (runner.stages, *local.dims[1:]), True)

@@ -89,14 +89,10 @@ class Layerwise(Layout):
         ``state_spec`` places a matrix stack's state: the optimizer slices nothing;
         a norm's, replicated state gathers its block back, an all-reduce's bytes);
         else as the param lies (all-reduced)."""
-        spec = self.param_spec(logical)
         owners = math.prod(self.owner_sizes)
-        if (owners == 1 or len(logical) < 2 or logical[0] != STAGES or shape[1] % owners
-                or spec_axes(tuple(spec)[1] if len(spec) > 1 else None)):
-            return spec
-        entries = [*spec, *[None] * (len(logical) - len(spec))]
-        entries[1] = self.owner_axes
-        return P(*entries)
+        if owners == 1 or len(logical) < 2 or logical[0] != STAGES or shape[1] % owners:
+            return self.param_spec(logical)
+        return self.state_spec(logical, (0, 1))   # the stack dim after the stages'
 
     def stack_owners(self, state: P, stack_dim: int) -> int:
         sizes = dict(zip(self.owner_axes, self.owner_sizes))
