@@ -1,32 +1,36 @@
 """Pipeline schedules side by side: step time, bubble, traffic between stages, memory.
 
     python -m experiments.bench_pipeline [--small] [--stages 2 4] [--per-stage 1 2 4]
-                                         [--schedules gpipe circular 1f1b] [--repeats 2]
-                                         [--optim adamw] [--layout fsdp] [--keep-gathered]
-                                         [--out PATH]
+                                         [--schedules gpipe circular 1f1b interleaved-1f1b]
+                                         [--repeats 2] [--optim adamw] [--layout fsdp]
+                                         [--keep-gathered] [--out PATH]
 
 On 8 devices, a GPT of 8 layers (D = 512; 256 with --small) with AdamW (or
 --optim's optimizer; Muon under fsdp orthogonalizes every matrix on every rank,
 so its step shrinks with the stages and hides the pipeline's own cost) under
-the fsdp layout (or --layout's): the baseline without a pipeline on fsdp 8, then for each S
-stages (stage S x fsdp 8/S) and M = k * S microbatches (k of --per-stage) each
-schedule (gpipe, circular with V chunks a stage for each V of --repeats, 1f1b):
-the train step's time and its ratio to the baseline's; the bubble as modelled
-(``sharding.schedules``: the schedule's table) and as compiled (T ticks, the trip count of the
-loop that sends the activations on: (T - V M) / T); the bytes per device
-the collective-permutes across ``stage`` move per step, and everything else
-that crosses it; the bytes per device of the sums over the batch axes (the
+the fsdp layout (or --layout's): the baseline without a pipeline on fsdp 8, then
+for each S stages (stage S x fsdp 8/S) and M = k * S microbatches (k of
+--per-stage) each schedule (gpipe, 1f1b; circular and interleaved-1f1b with V
+chunks a stage for each V of --repeats): the train step's time and its ratio to
+the baseline's; the bubble as modelled (``sharding.schedules``: counted on the
+schedule's table) and as compiled (from the collective-permutes' trip counts: a
+tick of gpipe or circular sends once, and its backward mirrors it, so T sends
+leave (T - V M) / T idle; a schedule with its own backward sends once a tick
+with forwards and once a tick with backwards, 2 V M of them work); the bytes per
+device the collective-permutes across ``stage`` move per step, and everything
+else that crosses it; the bytes per device of the sums over the batch axes (the
 gradients', once a step where ``Layout.pipeline_batch_axes`` names them, else
 each microbatch's: they grow with M) and of its all-gathers over them (fsdp's and
 owner's weights; with --keep-gathered, a stage's weights are gathered once a step
 and their gradients reduce-scattered once: the baseline row keeps the layout's
 default); and the train step's temporaries per device (XLA's memory analysis).
 An idle stage's tick computes on zeros, so the devices' work together is
-1 / (1 - bubble) of the unpipelined step's, 4/3 of that for 1f1b, which runs
-each forward twice ("work vs none"); on 8 virtual devices sharing 2 cores that
-work adds up and nothing overlaps: read the times against it, not as a GPU's
-speed. A second table compiles each schedule with M microbatches of a fixed size, so the batch grows with M: the
-temporaries per device, also in units of one microbatch's activations.
+1 / (1 - bubble) of the unpipelined step's, 4/3 of that for a schedule with its
+own backward, which runs each forward twice ("work vs none"); on 8 virtual
+devices sharing 2 cores that work adds up and nothing overlaps: read the times
+against it, not as a GPU's speed. A second table compiles each schedule with M
+microbatches of a fixed size, so the batch grows with M: the temporaries per
+device, also in units of one microbatch's activations.
 """
 
 from __future__ import annotations
@@ -86,7 +90,12 @@ def measure(model: GPTConfig, stages: int, microbatches: int, repeats: int, sche
                   if c.axes and set(c.axes) <= {"data", "fsdp", "expert"}]
     sums = [c for c in over_batch if c.kind in ("all-reduce", "reduce-scatter")]
     permutes = [c for c in crossing if c.kind == "collective-permute"]
-    n_ticks = max((c.executions for c in permutes), default=0)
+    table = make_schedule(schedule, stages, microbatches, repeats) if stages > 1 else None
+    own = table is not None and table.own_backward
+    # A tick sends once (JAX's backward mirrors the forward's ticks); an own-backward
+    # schedule sends once a tick that has forwards and once a tick that has backwards.
+    sends = [c.executions for c in permutes]
+    slots = sum(sends) if own else max(sends, default=0)
     moved = lambda cs: sum(c.bytes_per_device * c.executions for c in cs)
     temp = step.lower(state, tokens).compile().memory_analysis().temp_size_in_bytes
     holder = [jax.tree.map(jnp.copy, state)]
@@ -95,13 +104,14 @@ def measure(model: GPTConfig, stages: int, microbatches: int, repeats: int, sche
         holder[0], metrics = step(holder[0], tokens)
         return metrics["loss"]
 
-    name = "none" if stages == 1 else f"circular V={repeats}" if repeats > 1 else schedule
+    name = "none" if stages == 1 else f"{schedule} V={repeats}" if repeats > 1 else schedule
+    work = repeats * microbatches * (2 if own else 1)
     return {"schedule": name, "stages": stages, "microbatches": microbatches,
             "step_ms": 1e3 * best_time(one_step, 2),
-            "bubble_model": (make_schedule(schedule, stages, microbatches, repeats).bubble
-                             if stages > 1 else 0.0),
-            "ticks": n_ticks,
-            "bubble_hlo": (n_ticks - repeats * microbatches) / n_ticks if n_ticks else 0.0,
+            "bubble_model": table.bubble if table else 0.0,
+            "own_backward": own,
+            "ticks": table.ticks if table else 0,
+            "bubble_hlo": (slots - work) / slots if slots else 0.0,
             "permute_bytes_per_device": moved(permutes),
             "other_stage_bytes_per_device": moved([c for c in crossing if c not in permutes]),
             "batch_sum_bytes_per_device": moved(sums),
@@ -118,7 +128,7 @@ def temporaries(model: GPTConfig, stages: int, microbatches: int, repeats: int, 
                                 layout_name, MICRO_ROWS * microbatches)
     temp = step.lower(state, tokens).compile().memory_analysis().temp_size_in_bytes
     activations = MICRO_ROWS // (8 // stages) * SEQ * model.d_model * 4
-    return {"schedule": f"circular V={repeats}" if repeats > 1 else schedule,
+    return {"schedule": f"{schedule} V={repeats}" if repeats > 1 else schedule,
             "stages": stages, "microbatches": microbatches, "temp_bytes_per_device": temp,
             "temp_in_microbatches": temp / activations}
 
@@ -127,7 +137,7 @@ def variants(args) -> list[tuple[int, str]]:
     """(repeats, schedule) of each pipeline schedule asked for."""
     out = []
     for name in args.schedules:
-        out += ([(v, name) for v in args.repeats if v > 1] if name == "circular"
+        out += ([(v, name) for v in args.repeats if v > 1] if SCHEDULES[name].chunked
                 else [(1, name)])
     return out
 
@@ -141,10 +151,10 @@ def parser() -> argparse.ArgumentParser:
                         help="pipeline stages S (default 2 4)")
     parser.add_argument("--per-stage", type=int, nargs="+", default=None,
                         help="microbatches per stage k: M = k * S (default 1 2 4)")
-    parser.add_argument("--schedules", nargs="+", default=["gpipe", "circular", "1f1b"],
+    parser.add_argument("--schedules", nargs="+", default=list(SCHEDULES),
                         choices=tuple(SCHEDULES))
     parser.add_argument("--repeats", type=int, nargs="+", default=[2],
-                        help="chunks a stage V of the circular schedule (2 and more)")
+                        help="chunks a stage V of the chunked schedules (2 and more)")
     parser.add_argument("--optim", default="adamw", choices=optimizer_names())
     parser.add_argument("--layout", default="fsdp", choices=LAYOUTS)
     parser.add_argument("--keep-gathered", action="store_true",
@@ -166,9 +176,10 @@ def main(args_list: list[str] | None = None) -> list[dict]:
         r["step_vs_none"] = r["step_ms"] / rows[0]["step_ms"]
         # Every stage computes on every tick, idle ones on zeros: the devices' work
         # together is 1 / (1 - bubble) of the unpipelined step's (XLA's cost analysis
-        # counts a loop's body once, whatever its trip count, so it cannot say); 1f1b
-        # also recomputes each forward: 4/3 of the layers' forward + backward.
-        r["work_vs_none"] = (4 / 3 if r["schedule"] == "1f1b" else 1) / (1 - r["bubble_model"])
+        # counts a loop's body once, whatever its trip count, so it cannot say); a
+        # schedule with its own backward also recomputes each forward: 4/3 of the
+        # layers' forward + backward.
+        r["work_vs_none"] = (4 / 3 if r.pop("own_backward") else 1) / (1 - r["bubble_model"])
     print(f"model: {model.n_layers} layers, D={model.d_model}, F={model.d_ff}, "
           f"{model.param_count() / 1e6:.1f}M params; batch {BATCH} x {SEQ}; {args.layout} layout"
           f"{' kept gathered' if args.keep_gathered else ''}, {args.optim}; stage S x fsdp 8/S")

@@ -38,7 +38,8 @@ OPTIONS: dict[str, dict[str, list[str]]] = {
                                                    "--model.moe.every", "1"]},
     "schedule": {"none": [], "gpipe": STAGED + ["gpipe"],
                  "circular": STAGED + ["circular", "--pipeline.repeats", "2"],
-                 "1f1b": STAGED + ["1f1b"]},
+                 "1f1b": STAGED + ["1f1b"],
+                 "interleaved-1f1b": STAGED + ["interleaved-1f1b", "--pipeline.repeats", "2"]},
     "dtype": {"fp32": [], "bf16": ["--model.dtype", "bfloat16"]},
     "qk-clip": {"off": [], "on": ["--qk-clip", "50"]},
     "remat": {"off": [], "on": ["--model.remat", "full"]},
@@ -205,8 +206,8 @@ def page(runs: list[Run], outcomes: list[Outcome], never: dict[Pair, str]) -> st
             f"one line, naming the option to change, before anything compiles; {trained} of "
             f"{len(runs)} train, and each refused run is one of those pairs with the other "
             f"options at their first values (adamw, auto, tiny, none, fp32, off).\n\n"
-            f"The schedules run on `--mesh.stage 2 "
-            f"--microbatches 2` (circular with `--pipeline.repeats 2`); qk-clip is "
+            f"The schedules run on `--mesh.stage 2 --microbatches 2` (circular and "
+            f"interleaved-1f1b with `--pipeline.repeats 2`); qk-clip is "
             f"`--qk-clip 50`, remat `--model.remat full`, prefetch `--model.prefetch "
             f"--mesh.tensor 1` (its gathers are manual over the batch axes only).\n\n"
             + table(runs, outcomes) + "\n\n## Pairs no run trains\n\nEach refused with "

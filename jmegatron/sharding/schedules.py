@@ -2,20 +2,33 @@
 
 A schedule is a ``Schedule``: for every (tick, stage), the work item whose
 forward the stage runs (item i = r M + k: microbatch k through the stage's
-chunk r, its repeat) and, for a schedule that runs its own backward, the
-microbatch whose backward it runs; -1 where the stage idles. The pipeline's
-tick loops read their work from these tables (``sharding.pipeline``,
-``sharding.pipeline_1f1b``), and the tick count, the bubble and the slots a
+chunk r, its repeat) and, for a schedule that runs its own backward, the item
+whose backward it runs; -1 where the stage idles. The pipeline's tick loops
+read their work from these tables (``sharding.pipeline``,
+``sharding.own_backward``), and the tick count, the bubble and the buffers a
 stage keeps are counted on them, not derived from a schedule's name.
 
   gpipe     forward of item t - s at tick t on stage s, M + S - 1 ticks; JAX
             differentiates the ticks (the backward runs them in reverse).
   circular  the same over V M items (V chunks a stage): V M + S - 1 ticks.
-  1f1b      forward of t - s and backward of t - (2S - 2 - s) at tick t: each
-            microbatch's backward starts as soon as its forward has left the
-            last stage; M + 2S - 2 ticks, each a forward and a backward.
+  1f1b      a forward and a backward a tick: each microbatch's backward starts
+            as soon as its forward has left the last stage; at most 2(S - s) - 1
+            microbatches in flight on stage s; M + 2S - 2 ticks.
+  interleaved-1f1b  1f1b over V chunks a stage (Megatron's interleaved
+            schedule): microbatches in groups of S, each group through chunk 0,
+            then chunk 1, ...; backwards in the reverse chunk order; at most
+            2(S - s - 1) + (V - 1) S + 1 chunk inputs in flight on stage s.
 
+The schedules with their own backward are simulated tick by tick from each
+stage's order of work (``_simulated``): a stage runs its next forward once its
+input has arrived, and its next backward once its input gradient has, so a
+table holds only work whose inputs exist (``Schedule.buffers`` checks it).
 A new schedule is a builder in ``SCHEDULES`` returning its tables.
+
+References:
+  Narayanan et al., "Efficient Large-Scale Language Model Training on GPU
+    Clusters Using Megatron-LM", arXiv:2104.04473, 2021 (1F1B and its
+    interleaved form).
 """
 
 from __future__ import annotations
@@ -28,6 +41,24 @@ from typing import Callable, NamedTuple
 import numpy as np
 
 
+class Buffers(NamedTuple):
+    """Where a stage of an own-backward schedule keeps what passes between its ticks:
+    [ticks, S] slot tables (-1: nothing) and the slots each buffer needs.
+
+    ``inputs`` holds a chunk input from its arrival (or, for a microbatch's first
+    chunk, its embedding at the forward) until its backward recomputes the chunk
+    from it; ``grads`` holds an input gradient from its arrival until its backward
+    reads it (the last chunk's backward starts from the loss instead)."""
+
+    arrive: np.ndarray          # the slot the activation received at this tick goes to
+    forward_slot: np.ndarray    # the slot the forward reads (a first chunk's: writes)
+    backward_slot: np.ndarray   # the slot the backward recomputes from
+    inputs: int
+    grad_arrive: np.ndarray     # the slot the gradient received at this tick goes to
+    grad_slot: np.ndarray       # the slot the backward's input gradient is in
+    grads: int
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class Schedule:
     """One schedule's tables for S stages, M microbatches and V chunks a stage."""
@@ -37,7 +68,7 @@ class Schedule:
     microbatches: int
     repeats: int
     forward: np.ndarray                  # [ticks, S] work item r M + k, or -1
-    backward: np.ndarray | None = None   # [ticks, S] microbatch, or -1; None: JAX's
+    backward: np.ndarray | None = None   # [ticks, S] work item, or -1; None: JAX's
 
     @property
     def ticks(self) -> int:
@@ -49,36 +80,114 @@ class Schedule:
         """Whether the schedule runs its backward itself, beside the forwards."""
         return self.backward is not None
 
+    @functools.cached_property
+    def phases(self) -> tuple[tuple[int, int, bool, bool], ...]:
+        """The runs of ticks doing the same kinds of work: (first tick, end, whether
+        some stage runs a forward, whether some stage runs a backward). A tick runs
+        only the work its phase has (a schedule with its own backward: 1f1b's first
+        S - 1 ticks only forwards, its last S - 1 only backwards)."""
+        kinds = [(bool((self.forward[t] >= 0).any()),
+                  self.backward is not None and bool((self.backward[t] >= 0).any()))
+                 for t in range(self.ticks)]
+        out, start = [], 0
+        for kind, run in itertools.groupby(kinds):
+            n = len(list(run))
+            out.append((start, start + n, *kind))
+            start += n
+        return tuple(out)
+
     @property
     def bubble(self) -> float:
-        """The idle share of the stages' work slots (a forward and, in a schedule with
-        its own backward, a backward per tick)."""
-        tables = [t for t in (self.forward, self.backward) if t is not None]
-        return float(sum((t < 0).sum() for t in tables) / sum(t.size for t in tables))
+        """The idle share of the stages' work slots: a forward slot per tick (where JAX
+        runs the backward, its slots mirror these), and, in a schedule with its own
+        backward, a forward and a backward slot per tick of the phases that run them
+        (a forward and a backward counted alike)."""
+        if self.backward is None:
+            return float((self.forward < 0).mean())
+        slots = sum((end - start) * (f + b) for start, end, f, b in self.phases) * self.stages
+        work = (self.forward >= 0).sum() + (self.backward >= 0).sum()
+        return float(1 - work / slots)
+
+    def sender(self, stage: int, backward: bool = False) -> int | None:
+        """The stage whose output (``backward``: input gradient) reaches ``stage`` a
+        tick later; around the ring where the chunks wrap (V > 1)."""
+        step, edge, wrap = (-1, self.stages - 1, 0) if backward else (1, 0, self.stages - 1)
+        if stage != edge:
+            return stage - step
+        return wrap if self.repeats > 1 else None
 
     @functools.cached_property
-    def slots(self) -> tuple[np.ndarray, np.ndarray, int]:
-        """Where a stage keeps each microbatch's input from its forward to its backward
-        (own backward only): (the slot its forward writes [ticks, S], the slot its
-        backward reads [ticks, S], -1 where none; the slots a stage needs). A slot is
-        free again after the tick of its backward; a stage takes the lowest free one."""
-        fwd = np.full(self.forward.shape, -1)
-        bwd = np.full(self.forward.shape, -1)
+    def buffers(self) -> Buffers:
+        """The ``Buffers`` of an own-backward schedule; ValueError where a table runs
+        work before its input exists. Slots are taken lowest-free-first, and a slot
+        is free again the tick after its holder's backward."""
+        shape = self.forward.shape
+        tables = [np.full(shape, -1) for _ in range(5)]
         if self.backward is None:
-            return fwd, bwd, 0
-        count = 0
+            return Buffers(*tables[:3], 0, *tables[3:], 0)
+        arrive, fwd, bwd, g_arrive, g_bwd = tables
+        counts = [0, 0]
+        m = self.microbatches
         for s in range(self.stages):
-            end = {int(k): t for t, k in enumerate(self.backward[:, s]) if k >= 0}
-            free_after, slot_of = {}, {}   # slot -> the tick of its holder's backward
-            for t in range(self.ticks):
-                k, b = int(self.forward[t, s]), int(self.backward[t, s])
-                if k >= 0:
-                    slot = next(i for i in itertools.count() if free_after.get(i, -1) < t)
-                    free_after[slot], slot_of[k], fwd[t, s] = end[k], slot, slot
-                if b >= 0:
-                    bwd[t, s] = slot_of[b]
-            count = max(count, len(free_after))
-        return fwd, bwd, count
+            inputs, grads = self._intervals(s)
+            for spans, at_start, at_end, i in ((inputs, arrive, bwd, 0),
+                                               (grads, g_arrive, g_bwd, 1)):
+                slot, used = _colour(spans)
+                counts[i] = max(counts[i], used)
+                for item, (start, end) in spans.items():
+                    at_end[end, s] = slot[item]
+                    if not (at_start is arrive and s == 0 and item < m):   # embedded, not sent
+                        at_start[start, s] = slot[item]
+            for t, item in enumerate(self.forward[:, s]):
+                if item >= 0:
+                    fwd[t, s] = bwd[self._tick(self.backward, s, item), s]
+        return Buffers(arrive, fwd, bwd, counts[0], g_arrive, g_bwd, counts[1])
+
+    def _tick(self, table: np.ndarray, stage: int, item: int) -> int:
+        ticks = np.flatnonzero(table[:, stage] == item)
+        if len(ticks) != 1:
+            raise ValueError(f"the {self.name} table runs item {item} {len(ticks)} times "
+                             f"on stage {stage}")
+        return int(ticks[0])
+
+    def _intervals(self, s: int):
+        """({item: (first tick held, tick of its backward)} of stage ``s``'s inputs,
+        the same of its input gradients)."""
+        m, last = self.microbatches, self.stages - 1
+        inputs, grads = {}, {}
+        for item in range(self.repeats * m):
+            f, b = (self._tick(t, s, item) for t in (self.forward, self.backward))
+            chunk = item // m
+            if s == 0 and chunk == 0:
+                start = f   # embedded at its forward
+            else:
+                sender = self.sender(s)
+                start = self._tick(self.forward, sender, item - m * (s == 0)) + 1
+            if not start <= f <= b:
+                raise ValueError(f"the {self.name} table runs item {item} on stage {s} "
+                                 f"before its input (arrives at tick {start}, forward at "
+                                 f"{f}, backward at {b})")
+            inputs[item] = (start, b)
+            if s == last and chunk == self.repeats - 1:
+                continue   # its backward starts from the loss
+            sender = self.sender(s, backward=True)
+            arrives = self._tick(self.backward, sender, item + m * (s == last)) + 1
+            if arrives > b:
+                raise ValueError(f"the {self.name} table runs item {item}'s backward on "
+                                 f"stage {s} at tick {b}, before its gradient arrives "
+                                 f"({arrives})")
+            grads[item] = (arrives, b)
+        return inputs, grads
+
+
+def _colour(spans: dict) -> tuple[dict, int]:
+    """({key: slot}, slots used) for intervals {key: (start, end)}: in order of start,
+    each takes the lowest slot whose holder's end is before its start."""
+    free_after, slot = {}, {}
+    for key, (start, end) in sorted(spans.items(), key=lambda kv: kv[1]):
+        i = next(i for i in itertools.count() if free_after.get(i, -1) < start)
+        free_after[i], slot[key] = end, i
+    return slot, len(free_after)
 
 
 class ScheduleKind(NamedTuple):
@@ -86,42 +195,102 @@ class ScheduleKind(NamedTuple):
 
     build: Callable[[int, int, int], tuple[np.ndarray, np.ndarray | None]]
     formula: str
-    circular: bool = False   # runs V >= 2 chunks a stage (the others: one)
+    chunked: bool = False   # runs V >= 2 chunks a stage (the others: one)
+    groups: bool = False    # takes the microbatches in groups of S (M a multiple of S)
 
 
-def _diagonal(ticks: int, stages: int, items: int, delay) -> np.ndarray:
-    """[ticks, S]: item t - delay(s) where that is in [0, items), else -1."""
+def _diagonal(ticks: int, stages: int, items: int) -> np.ndarray:
+    """[ticks, S]: item t - s where that is in [0, items), else -1."""
     t, s = np.meshgrid(np.arange(ticks), np.arange(stages), indexing="ij")
-    item = t - delay(s)
+    item = t - s
     return np.where((item >= 0) & (item < items), item, -1)
 
 
 def _gpipe(s: int, m: int, v: int):
-    return _diagonal(v * m + s - 1, s, v * m, lambda stage: stage), None
+    return _diagonal(v * m + s - 1, s, v * m), None
+
+
+def _simulated(stages: int, m: int, v: int, forward_order, backward_order, in_flight):
+    """(forward, backward) tables of stages that each run their forwards in
+    ``forward_order`` and their backwards in ``backward_order`` (lists of items),
+    each tick the next forward whose input has arrived (a tick after its sender ran
+    it) while fewer than ``in_flight(stage)`` of its items await their backward, then
+    the next backward whose gradient has arrived (the last chunk on the last stage:
+    once its forward has run, that tick or before)."""
+    items, last = v * m, stages - 1
+    done = {(d, s): {} for d in "fb" for s in range(stages)}   # item -> its tick
+    sent = lambda key, item, t: done[key].get(item, t) < t   # by tick t - 1 or before
+    rows = []
+    for t in itertools.count():
+        if all(len(done["b", s]) == items for s in range(stages)):
+            break
+        if t > 4 * (items + stages):
+            raise ValueError(f"the schedule's orders deadlock at tick {t}")
+        row = np.full((2, stages), -1)
+        for s in range(stages):
+            fwd, bwd = done["f", s], done["b", s]
+            if len(fwd) < items and len(fwd) - len(bwd) < in_flight(s):
+                i = forward_order[len(fwd)]
+                if (s == 0 and i < m) or sent(("f", s - 1) if s else ("f", last),
+                                              i if s else i - m, t):
+                    fwd[i], row[0, s] = t, i
+            if len(bwd) < items:
+                j = backward_order[len(bwd)]
+                if (fwd.get(j, t + 1) <= t if s == last and j >= items - m else
+                        sent(("b", s + 1) if s < last else ("b", 0), j if s < last else j + m, t)):
+                    bwd[j], row[1, s] = t, j
+        rows.append(row)
+    table = np.stack(rows)
+    return table[:, 0], table[:, 1]
 
 
 def _one_f_one_b(s: int, m: int, v: int):
-    ticks = m + 2 * s - 2
-    return (_diagonal(ticks, s, m, lambda stage: stage),
-            _diagonal(ticks, s, m, lambda stage: 2 * s - 2 - stage))
+    """1F1B (v = 1) and its interleaved form: Megatron's orders, groups of S
+    microbatches through the chunks in turn (backwards: last chunk first)."""
+    group = lambda i, reverse: (i % m // s, (v - 1 - i // m) if reverse else i // m, i % m % s)
+    items = range(v * m)
+    return _simulated(s, m, v, sorted(items, key=lambda i: group(i, False)),
+                      sorted(items, key=lambda i: group(i, True)),
+                      lambda stage: 2 * (s - stage - 1) + (v - 1) * s + 1)
 
 
 SCHEDULES: dict[str, ScheduleKind] = {
     "gpipe": ScheduleKind(_gpipe, "(S-1)/(M+S-1)"),
-    "circular": ScheduleKind(_gpipe, "(S-1)/(V M+S-1)", circular=True),
-    "1f1b": ScheduleKind(_one_f_one_b, "(2S-2)/(M+2S-2)"),
+    "circular": ScheduleKind(_gpipe, "(S-1)/(V M+S-1)", chunked=True),
+    "1f1b": ScheduleKind(_one_f_one_b, "(S-1)/(M+S-1)"),
+    "interleaved-1f1b": ScheduleKind(_one_f_one_b, "(S-1)/(V M+S-1)", chunked=True,
+                                     groups=True),
 }
 
 
-def make_schedule(name: str, stages: int, microbatches: int, repeats: int = 1) -> Schedule:
-    """The tables of schedule ``name``; ValueError for an unknown name, or repeats
-    that do not match it (circular: 2 or more, the others 1)."""
+def schedule_refusal(name: str, stages: int, microbatches: int, repeats: int = 1) -> str | None:
+    """Why schedule ``name`` cannot run S stages, M microbatches and V chunks a stage,
+    in one line; None where it can."""
     if name not in SCHEDULES:
-        raise ValueError(f"unknown pipeline schedule {name!r}; choose one of "
-                         f"{tuple(SCHEDULES)}")
+        return f"unknown pipeline schedule {name!r}; choose one of {tuple(SCHEDULES)}"
     kind = SCHEDULES[name]
-    if kind.circular != (repeats > 1):
-        raise ValueError(f"the {name} schedule with {repeats} chunks a stage: circular "
-                         f"needs repeats >= 2, the others 1")
-    forward, backward = kind.build(stages, microbatches, repeats)
+    if kind.chunked != (repeats > 1):
+        return repeats_refusal(name, repeats)
+    if kind.groups and repeats > 1 and microbatches % stages:
+        return (f"the {name} schedule takes the microbatches in groups of the {stages} "
+                f"stages: --microbatches {microbatches} must be a multiple of {stages}")
+    return None
+
+
+def repeats_refusal(name: str, repeats: int) -> str | None:
+    """Why schedule ``name`` cannot take ``repeats`` chunks a stage; None where it can."""
+    chunked = [n for n, kind in SCHEDULES.items() if kind.chunked]
+    if SCHEDULES[name].chunked == (repeats > 1):
+        return None
+    return (f"--pipeline.repeats {repeats}: must be >= 2 with {' or '.join(chunked)}, 1 with "
+            f"{' and '.join(n for n in SCHEDULES if n not in chunked)}")
+
+
+def make_schedule(name: str, stages: int, microbatches: int, repeats: int = 1) -> Schedule:
+    """The tables of schedule ``name``; ValueError where it cannot run these sizes
+    (``schedule_refusal``)."""
+    reason = schedule_refusal(name, stages, microbatches, repeats)
+    if reason:
+        raise ValueError(reason)
+    forward, backward = SCHEDULES[name].build(stages, microbatches, repeats)
     return Schedule(name, stages, microbatches, repeats, forward, backward)

@@ -9,6 +9,7 @@ from typing import Literal
 from jmegatron.models.config import ConfigError, GPTConfig
 from jmegatron.sharding.layouts import LAYOUT_CLASSES
 from jmegatron.sharding.mesh import MeshConfig
+from jmegatron.sharding.schedules import repeats_refusal
 from jmegatron.train.registry import OPTIMIZERS, optimizer_names
 
 def require(flag: str, value, ok: bool, want: str) -> None:
@@ -274,20 +275,22 @@ class NorDion2Config:
 class PipelineConfig:
     """How the pipeline stages (--mesh.stage S) run the M microbatches."""
 
-    schedule: Literal["gpipe", "circular", "1f1b"] = "gpipe"
+    schedule: Literal["gpipe", "circular", "1f1b", "interleaved-1f1b"] = "gpipe"
     """gpipe: S contiguous stages, all forward then all backward, bubble
     (S-1)/(M+S-1), every microbatch's activations kept; circular: each stage holds
     --pipeline.repeats V interleaved chunks of layers and every microbatch goes around
-    the stages V times, bubble (S-1)/(V M+S-1) (needs M >= S); 1f1b: each tick one
-    forward and one backward, at most 2S-1 microbatches' stage inputs kept whatever M,
-    bubble (2S-2)/(M+2S-2), one extra forward (the backward recomputes the stage)."""
+    the stages V times, bubble (S-1)/(V M+S-1) (needs M >= S); 1f1b: one forward and
+    one backward a tick, at most 2S-1 microbatches' stage inputs kept whatever M,
+    bubble (S-1)/(M+S-1), one extra forward (the backward recomputes the stage);
+    interleaved-1f1b: 1f1b over V chunks a stage (M a multiple of S), bubble
+    (S-1)/(V M+S-1), at most 2S-1+(V-1)S chunk inputs kept."""
     repeats: int = 1
-    """Chunks of layers per stage V (circular: >= 2; gpipe: 1)."""
+    """Chunks of layers per stage V (circular, interleaved-1f1b: >= 2; gpipe, 1f1b: 1)."""
 
     def __post_init__(self):
-        require("pipeline.repeats", self.repeats,
-                self.repeats >= 2 if self.schedule == "circular" else self.repeats == 1,
-                ">= 2 with --pipeline.schedule circular, 1 with gpipe and 1f1b")
+        reason = repeats_refusal(self.schedule, self.repeats)
+        if reason:
+            raise ConfigError(reason)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -327,7 +327,8 @@ class Run:
             table = make_schedule(name, stages, micro, v)
             schedule = f"{name} in {v} chunks a stage" if v > 1 else name
             t.log(f"pipeline: {stages} stages of {per_stage}, {schedule} over {micro} "
-                  f"microbatches: {table.ticks} ticks per pass, bubble "
+                  f"microbatches: {table.ticks} ticks{'' if table.own_backward else ' per pass'}"
+                  ", bubble "
                   f"{SCHEDULES[name].formula} = {table.bubble:.1%}")
         warmup = t.cfg.schedule.warmup_steps
         if warmup > t.cfg.steps:

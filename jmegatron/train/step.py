@@ -19,7 +19,7 @@ from jmegatron.optim.plan import ShardingPlan
 from jmegatron.sharding import rules as ax
 from jmegatron.sharding.layouts import Layout
 from jmegatron.sharding.pipeline import over_stages, staged_leaves
-from jmegatron.sharding.pipeline_1f1b import Pieces, one_f_one_b
+from jmegatron.sharding.own_backward import Pieces, run_own_backward
 from jmegatron.sharding.rules import Rules, activation_sharding, logical_to_spec, without_axes
 from jmegatron.sharding.runners import running
 from jmegatron.train.optimizer import Optimizer, group_update_rms
@@ -47,7 +47,7 @@ def make_loss_fn(graphdef: nnx.GraphDef, model_cfg: GPTConfig, mesh: jax.shardin
     # on every batch rank for the step (gathered once where the layout splits them).
     batch_axes = layout.pipeline_batch_axes(model_cfg, mesh.shape)
     rules = without_axes(layout.rules, batch_axes)
-    loss_on = (one_f_one_b_loss if runner.table.own_backward else plain_loss)(
+    loss_on = (own_backward_loss if runner.table.own_backward else plain_loss)(
         graphdef, model_cfg, runner, rules, z_loss)
     return over_stages(loss_on, mesh, rules, batch_axes,
                        functools.partial(same_on_every_rank, axes=batch_axes), layout.param_spec,
@@ -82,14 +82,14 @@ def same_on_every_rank(out, axes: tuple[str, ...]):
     return jax.lax.pmean(loss, axes), {k: over(k, v) for k, v in aux.items()}
 
 
-def one_f_one_b_loss(graphdef: nnx.GraphDef, cfg: GPTConfig, runner, rules: Rules,
-                     z_loss: float):
-    """``loss_on(mesh, params, tokens)`` of make_loss_fn under the 1f1b schedule: the
-    model cut into its embedding, this stage's layers and its head with the loss,
-    run and differentiated by ``sharding.pipeline_1f1b``."""
+def own_backward_loss(graphdef: nnx.GraphDef, cfg: GPTConfig, runner, rules: Rules,
+                      z_loss: float):
+    """``loss_on(mesh, params, tokens)`` of make_loss_fn under a schedule with its own
+    backward (1f1b): the model cut into its embedding, this stage's chunks of layers
+    and its head with the loss, run and differentiated by ``sharding.own_backward``."""
     if len(set(cfg.moe_layers)) > 1:
-        raise ValueError("the 1f1b schedule runs one layer stack: a dense model or "
-                         "moe.first_dense=0 (or --pipeline.schedule gpipe)")
+        raise ValueError(f"the {runner.schedule} schedule runs one layer stack: a dense "
+                         "model or moe.first_dense=0 (or --pipeline.schedule gpipe)")
     moe = cfg.moe_layers[0]
 
     def loss_on(mesh, params, tokens):
@@ -97,9 +97,9 @@ def one_f_one_b_loss(graphdef: nnx.GraphDef, cfg: GPTConfig, runner, rules: Rule
         model = lambda rest, staged: nnx.merge(graphdef, rebuild(rest, staged))
         positions = jnp.arange(tokens.shape[1] - 1)
 
-        def chunk(rest, staged, x):
+        def chunk(rest, staged, x, r):
             stack = model(rest, staged).layer_stack(moe, positions)
-            return runner.run_chunk(stack, [leaf[0] for leaf in stack.leaves], x)
+            return runner.run_chunk(stack, [leaf[0] for leaf in stack.leaves], x, r)
 
         def tail(rest, staged, y, tokens):
             return cross_entropy(model(rest, staged).logits_of(y), tokens[:, 1:],
@@ -109,8 +109,8 @@ def one_f_one_b_loss(graphdef: nnx.GraphDef, cfg: GPTConfig, runner, rules: Rule
             tokens[:, :-1]), chunk, tail, lambda stats: moe_losses(stats, cfg.moe)[0])
         with activation_sharding(mesh, rules):
             stack = model(rest, staged).layer_stack(moe, positions)
-            loss, aux, stats = one_f_one_b(runner, stack, pieces, runner.check(stack), rest,
-                                           staged, tokens)
+            loss, aux, stats = run_own_backward(runner, stack, pieces, runner.check(stack), rest,
+                                                staged, tokens)
         max_logit = stats.pop("max_logit").max(axis=1)
         _, moe_metrics = moe_losses(stats, cfg.moe)
         return loss, {**aux, **moe_metrics, "max_attention_logit": max_logit}

@@ -17,7 +17,7 @@ from jmegatron.sharding.rules import (ACTIVATION_AXES, BATCH, EXPERTS, STAGES, V
                                      indivisible, logical_to_spec, mesh_axes_of, split_size,
                                      with_rules)
 from jmegatron.sharding.runners import ScanRunner, StackRunner
-from jmegatron.sharding.schedules import make_schedule
+from jmegatron.sharding.schedules import make_schedule, schedule_refusal
 from jmegatron.sharding.traffic import LeafTraffic, RunOptions, Transfer
 
 ASSIGNMENTS = ("round_robin", "balanced")
@@ -116,6 +116,9 @@ class Layout:
             return (f"pipeline stages run each kind of layer as one stack, but the MoE layers "
                     f"alternate with dense ones (--model.moe.every {model.moe.every}): set "
                     "--model.moe.every 1 (or --mesh.stage 1)")
+        reason = schedule_refusal(self.schedule, self.stages, microbatches, self.repeats)
+        if reason:
+            return reason
         own_backward = make_schedule(self.schedule, self.stages, microbatches,
                                      self.repeats).own_backward
         if own_backward and len(set(model.moe_layers)) > 1:
