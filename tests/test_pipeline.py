@@ -381,43 +381,42 @@ def moe_only_reference():
     pytest.param(MeshConfig(stage=4, data=2, fsdp=1), "owner", MOE_ONLY, "moe_only_reference",
                  marks=PAIRWISE),
     (MeshConfig(stage=4, data=2, fsdp=1), "layerwise", MOE_ONLY, "moe_only_reference"),
+    (MeshConfig(stage=2, fsdp=2, tensor=2), "layerwise", MOE_MODEL, "moe_reference"),
+    (MeshConfig(stage=4, data=2, fsdp=1), "owner", MOE_MODEL, "moe_reference"),
 ], ids=["stage2_fsdp2_tensor2_owner_padded", "stage2_fsdp2_tensor2_layerwise",
         "stage4_data2_owner", "stage4_data2_layerwise_padded",
         "moe_stage2_fsdp2_tensor2_owner", "moe_stage2_fsdp2_tensor2_layerwise_remat",
-        "moe_stage4_data2_owner", "moe_stage4_data2_layerwise"])
+        "moe_stage4_data2_owner", "moe_stage4_data2_layerwise",
+        "dense_and_moe_stage2_fsdp2_tensor2_layerwise", "dense_and_moe_stage4_data2_owner"])
 def test_1f1b_three_steps_equal_one_device(mesh_config, layout, model, want, request):
     """1f1b's own backward (sharding.own_backward): each stage recomputes its layers
     from the inputs it kept, the head's gradient starts each microbatch's backward, the
     MoE losses' constant cotangents reach every layer's router, and the embedding and
-    head gradients of the first and last stage are summed once; three steps equal one
-    device's (accumulating the same 4 microbatches for MoE)."""
+    head gradients of the first and last stage are summed once; a dense and an MoE
+    stack run as two chunks a stage of one pipeline (a stage picks its chunk's stack
+    by ``lax.switch``); three steps equal one device's (accumulating the same 4
+    microbatches for MoE)."""
     assert_equals_one_device(mesh_config, layout, model, ONE_F_ONE_B,
                              request.getfixturevalue(want))
 
 
 INTERLEAVED = dataclasses.replace(TRAIN, pipeline=PipelineConfig("interleaved-1f1b",
                                                                   repeats=2))
-MOE_NINE = dataclasses.replace(MOE_ONLY, n_layers=9)   # 4 stages x 2 chunks of 2 slots
-
-
-@pytest.fixture(scope="module")
-def moe_nine_reference():
-    return three_steps(MeshConfig(fsdp=1), model=MOE_NINE, devices=1, microbatches=1,
-                       accumulate=4)
 
 
 @pytest.mark.parametrize("mesh_config, layout, model, want", [
     (MeshConfig(stage=2, fsdp=2, tensor=2), "layerwise", MODEL, "reference"),
     (MeshConfig(stage=4, data=2, fsdp=1), "owner", NINE, "nine_layer_reference"),
     (MeshConfig(stage=2, fsdp=2, tensor=2), "owner", MOE_ONLY, "moe_only_reference"),
-    (MeshConfig(stage=4, data=2, fsdp=1), "layerwise", MOE_NINE, "moe_nine_reference"),
+    (MeshConfig(stage=4, data=2, fsdp=1), "layerwise", MOE_TEN, "moe_ten_reference"),
 ], ids=["stage2_fsdp2_tensor2_layerwise", "stage4_data2_owner_padded",
-        "moe_stage2_fsdp2_tensor2_owner_padded", "moe_stage4_data2_layerwise_padded"])
+        "moe_stage2_fsdp2_tensor2_owner_padded", "dense_and_moe_stage4_data2_layerwise_padded"])
 def test_interleaved_1f1b_three_steps_equal_one_device(mesh_config, layout, model, want,
                                                        request):
     """interleaved-1f1b, two chunks a stage run by the same interpreter as 1f1b: inputs
     kept from their arrival, stage 0's second chunk fed around the ring from the last
-    stage, input gradients kept until their backward; three steps equal one device."""
+    stage, input gradients kept until their backward; a dense and an MoE stack as four
+    chunks a stage of one pipeline; three steps equal one device."""
     assert_equals_one_device(mesh_config, layout, model, INTERLEAVED,
                              request.getfixturevalue(want))
 
@@ -735,14 +734,9 @@ def test_own_backward_buffers_hold_each_input_until_its_backward(name, s, m, v, 
     (lambda: PipelineConfig("1f1b", repeats=2), "1 with gpipe and 1f1b"),
     (lambda: make_schedule("interleaved-1f1b", 4, 6, 2),
      "--microbatches 6 must be a multiple of 4"),
-    (lambda: make_loss_fn(None, dataclasses.replace(MOE_MODEL, stages=2),
-                          make_mesh(MeshConfig(stage=2, fsdp=4)),
-                          make_layout("fsdp", {"stage": 2, "fsdp": 4}, schedule="1f1b"),
-                          microbatches=2),
-     "the 1f1b schedule runs one layer stack"),
 ], ids=["more_stages_than_layers", "fewer_microbatches", "interleaved_moe",
         "more_chunks_than_layers", "circular_without_repeats", "1f1b_with_repeats",
-        "interleaved_microbatches_not_in_groups", "1f1b_with_two_stacks"])
+        "interleaved_microbatches_not_in_groups"])
 def test_unsupported_settings_are_refused_in_one_line(make, words):
     with pytest.raises(Exception, match=None) as err:
         make()

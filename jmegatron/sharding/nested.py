@@ -91,9 +91,10 @@ def shard_map(body: Callable, mesh, in_specs: tuple, out_specs) -> Callable:
 
 
 def varying_axes(x) -> frozenset[str]:
-    """The manual mesh axes ``x`` varies over inside a ``shard_map`` (its type's
-    ``vma``; ``manual_axis_type.varying`` on jax 0.10)."""
-    aval = jax.typeof(x)
-    if hasattr(aval, "vma"):
+    """The manual mesh axes ``x`` (an array or a ``jax.ShapeDtypeStruct``) varies over
+    inside a ``shard_map`` (its type's ``vma``; ``manual_axis_type.varying`` on jax
+    0.10)."""
+    aval = x if isinstance(x, jax.ShapeDtypeStruct) else jax.typeof(x)
+    if getattr(aval, "vma", None) is not None:
         return frozenset(aval.vma)
     return frozenset(aval.manual_axis_type.varying)

@@ -24,6 +24,11 @@ i = r M + k is microbatch k through the stage's chunk r):
             backward, elsewhere the input gradient that arrived from the next
             stage; the chunk's input gradient goes back to the stage before.
 
+A model of two stacks (dense layers, then MoE ones) runs as one pipeline: chunk c
+of the table is chunk c % V of stack c // V (``make_schedule(..., stacks=2)``), and
+a stage runs its chunk's stack by ``lax.switch`` (``_chunks``), so one bubble, not
+one per stack.
+
 A tick runs only the kinds of work its phase has (``Schedule.phases``): 1F1B's
 first S - 1 ticks run forwards only, its last S - 1 backwards only, so its
 step takes (M + S - 1) (T_F + T_B), Megatron's, and the interleaved schedule
@@ -51,7 +56,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Callable, NamedTuple
+from typing import Callable, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -66,30 +71,32 @@ from jmegatron.sharding.stacks import StackShape
 
 class Pieces(NamedTuple):
     """A model cut for a schedule with its own backward, as functions of its weights:
-    ``rest`` (the leaves outside the pipeline's stack: embedding, head) and
+    ``rest`` (the leaves outside the pipeline's stacks: embedding, head) and
     ``staged`` (this stage's blocks, [1, ...] each)."""
 
     front: Callable   # (rest, staged, tokens [b, T+1]) -> x [b, T, D]: the embedding
-    chunk: Callable   # (rest, staged, x, r) -> (y, stats [c, ...]): this stage's chunk r
+    chunk: Callable   # (rest, staged, x, r, kind) -> (y, stats [c, ...]): this stage's
+                      # chunk r of the stack ``kind`` (its index in model order)
     tail: Callable    # (rest, staged, y, tokens) -> (loss, aux): head and mean loss
-    stats_loss: Callable   # the stack's stats [L, ...] -> their loss; linear
+    stats_loss: Callable   # a stack's stats [L, ...] -> their loss; linear
 
 
-def run_own_backward(runner, stack: Stack, pieces: Pieces, axis, rest, staged, tokens):
+def run_own_backward(runner, stacks: Sequence[Stack], pieces: Pieces, axis, rest, staged,
+                     tokens):
     """(loss, aux, stats) of a batch ``tokens`` [B, T+1] through the model ``pieces``
-    under the schedule of ``runner`` (a ``PipelineRunner`` whose table has its own
-    backward), manual over the stage ``axis``; the gradients of ``rest`` and
-    ``staged`` are the schedule's own.
+    of ``stacks`` (in model order: dense layers, then MoE ones) under the schedule of
+    ``runner`` (a ``PipelineRunner`` whose table has its own backward), manual over the
+    stage ``axis``; the gradients of ``rest`` and ``staged`` are the schedule's own.
 
-    ``aux`` is the tail's, averaged over the microbatches; ``stats`` the stack's
-    in model order (``PipelineRunner.in_model_order``), on every stage."""
+    ``aux`` is the tail's, averaged over the microbatches; ``stats`` each stack's in
+    model order (``PipelineRunner.in_model_order``), on every stage."""
 
     @jax.custom_vjp
     def run(rest, staged, tokens):
-        return _interpret(runner, stack, pieces, axis, rest, staged, tokens)[0]
+        return _interpret(runner, stacks, pieces, axis, rest, staged, tokens)[0]
 
     def forward(rest, staged, tokens):   # (out, residuals: the gradients)
-        return _interpret(runner, stack, pieces, axis, rest, staged, tokens)
+        return _interpret(runner, stacks, pieces, axis, rest, staged, tokens)
 
     def backward(grads, cotangents):   # only the loss is differentiable
         scale = cotangents[0]
@@ -99,10 +106,10 @@ def run_own_backward(runner, stack: Stack, pieces: Pieces, axis, rest, staged, t
     return run(rest, staged, tokens)
 
 
-def _interpret(runner, stack: Stack, pieces: Pieces, axis, rest, staged, tokens):
+def _interpret(runner, stacks: Sequence[Stack], pieces: Pieces, axis, rest, staged, tokens):
     """((loss, aux, stats), (d rest, d staged)): the ticks of the module docstring."""
-    table = runner.table
-    m, s_count, v = runner.microbatches, runner.stages, runner.repeats
+    table = runner.table_for(len(stacks))
+    m, s_count, v = runner.microbatches, runner.stages, table.repeats   # v: all chunks
     stage = jax.lax.axis_index(axis)
     first, last = stage == 0, stage == s_count - 1
     # [ticks + 1, S] (the row after the last tick: nothing arrives), -1 where idle.
@@ -123,15 +130,11 @@ def _interpret(runner, stack: Stack, pieces: Pieces, axis, rest, staged, tokens)
     # are summed over the stages once, after the ticks.
     rest = varying(rest)
     front = lambda r, tok: pieces.front(r, staged, tok)
-    chunk = lambda st, x, r: pieces.chunk(rest, st, x, r)
-
-    def shapes():
-        x = front(rest, micro[0])
-        y, stats = chunk(staged, x, 0)
-        return x, stats, pieces.tail(rest, staged, y, micro[0])[1]
-
-    x_shape, stats_shape, aux_shape = jax.eval_shape(shapes)
-    stats_cotangent = _stats_cotangents(stack, runner, stats_shape, pieces.stats_loss, m, axis)
+    embedded = lambda: front(rest, micro[0])   # (eval_shape of closures: the traced types)
+    chunk, stats_cotangent, stats_shape = _chunks(runner, stacks, pieces, rest, staged,
+                                                  embedded, m, axis)
+    x_shape, aux_shape = jax.eval_shape(lambda: (embedded(), pieces.tail(
+        rest, staged, chunk(staged, embedded(), 0)[0], micro[0])[1]))
     zeros = lambda tree: jax.tree.map(lambda a: varying(jnp.zeros(a.shape, a.dtype)), tree)
     slots = lambda n: varying(jnp.zeros((n, *x_shape.shape), x_shape.dtype))
     item = lambda t, kind: (work[kind][t, stage] >= 0, *divmod(jnp.maximum(
@@ -205,12 +208,50 @@ def _interpret(runner, stack: Stack, pieces: Pieces, axis, rest, staged, tokens)
     _, _, stats, loss, aux, (d_rest, d_staged) = carry
     # Embedding and head gradients from the first and last stage: summed once.
     d_rest = jax.lax.psum(d_rest, axis)
-    stats = runner.in_model_order(
-        jax.tree.map(lambda a: a.reshape(1, v, m, *a.shape[1:]), stats), stack, axis)
-    loss = jax.lax.psum(loss, axis) / m + pieces.stats_loss(
-        {k: a for k, a in stats.items() if k in stack.summed})
+    per_stack = v // len(stacks)   # each stack's chunks a stage, stack after stack
+    stats = [runner.in_model_order(jax.tree.map(
+        lambda a: a.reshape(len(stacks), per_stack, m, *a.shape[1:])[i][None], stats[i]),
+        stack, axis) for i, stack in enumerate(stacks)]
+    loss = jax.lax.psum(loss, axis) / m + sum(pieces.stats_loss(
+        {k: a for k, a in st.items() if k in stack.summed}) for st, stack in zip(stats, stacks))
     aux = jax.tree.map(lambda a: jax.lax.psum(a, axis) / m, aux)
     return (loss, aux, stats), (d_rest, d_staged)
+
+
+def _chunks(runner, stacks: Sequence[Stack], pieces: Pieces, rest, staged, embedded, m: int,
+            axis):
+    """(chunk, stats_cotangent, stats shapes) of ``stacks`` run as one pipeline, on inputs
+    like ``embedded()``: chunk c of the table is chunk c % V of stack c // V.
+    ``chunk(staged, x, c)`` -> (y, each stack's stats: zeros but for c's);
+    ``stats_cotangent(ok, stats, c)`` their cotangents in its backward
+    (``_stats_cotangents``). With several stacks a stage runs c's stack by
+    ``lax.switch``: at a tick, stages may run different ones."""
+    v = runner.repeats
+    shapes = [jax.eval_shape(lambda: pieces.chunk(rest, staged, embedded(), 0, i)[1])
+              for i in range(len(stacks))]
+    cotangents = [_stats_cotangents(stack, runner, shape, pieces.stats_loss, m, axis)
+                  for stack, shape in zip(stacks, shapes)]
+
+    def zeros(shape):   # typed as the stats are (a branch's outputs must match the others')
+        cast = lambda a, axes: jax.lax.pcast(a, tuple(axes), to="varying") if axes else a
+        return jax.tree.map(lambda a: cast(jnp.zeros(a.shape, a.dtype),
+                                           nested.varying_axes(a)), shape)
+
+    def one(i, staged, x, r):   # stack i's chunk r, every stack's stats
+        y, stats = pieces.chunk(rest, staged, x, r, i)
+        return y, [stats if j == i else zeros(shape) for j, shape in enumerate(shapes)]
+
+    def chunk(staged, x, c):
+        if len(stacks) == 1:
+            return one(0, staged, x, c)
+        return jax.lax.switch(c // v, [functools.partial(one, i) for i in range(len(stacks))],
+                              staged, x, c % v)
+
+    def stats_cotangent(ok, stats, c):
+        return [f(ok & (c // v == i), st, c % v)
+                for i, (f, st) in enumerate(zip(cotangents, stats))]
+
+    return chunk, stats_cotangent, shapes
 
 
 def after(first: jax.Array, then: jax.Array) -> jax.Array:

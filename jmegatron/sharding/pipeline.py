@@ -76,8 +76,13 @@ class PipelineRunner(StackRunner):
 
     @property
     def table(self) -> Schedule:
-        """The schedule's tables (``sharding.schedules``)."""
-        return make_schedule(self.schedule, self.stages, self.microbatches, self.repeats)
+        """The schedule's tables (``sharding.schedules``) for one stack."""
+        return self.table_for(1)
+
+    def table_for(self, stacks: int) -> Schedule:
+        """The schedule's tables for a model of ``stacks`` stacks (``make_schedule``)."""
+        return make_schedule(self.schedule, self.stages, self.microbatches, self.repeats,
+                             stacks)
 
     def __call__(self, stack: Stack, x: jax.Array) -> tuple[jax.Array, dict]:
         if self.table.own_backward:

@@ -61,7 +61,8 @@ class Buffers(NamedTuple):
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Schedule:
-    """One schedule's tables for S stages, M microbatches and V chunks a stage."""
+    """One schedule's tables for S stages, M microbatches and V chunks a stage (all the
+    stacks' chunks, where the schedule runs several stacks as one pipeline)."""
 
     name: str
     stages: int
@@ -286,11 +287,17 @@ def repeats_refusal(name: str, repeats: int) -> str | None:
             f"{' and '.join(n for n in SCHEDULES if n not in chunked)}")
 
 
-def make_schedule(name: str, stages: int, microbatches: int, repeats: int = 1) -> Schedule:
+def make_schedule(name: str, stages: int, microbatches: int, repeats: int = 1,
+                  stacks: int = 1) -> Schedule:
     """The tables of schedule ``name``; ValueError where it cannot run these sizes
-    (``schedule_refusal``)."""
+    (``schedule_refusal``). A schedule with its own backward runs a model of several
+    ``stacks`` (dense layers, then MoE ones) as one pipeline: each stack's V chunks a
+    stage are chunks of the table, stack after stack (``Schedule.repeats`` counts them
+    all); a schedule JAX differentiates runs each stack as a pipeline of its own."""
     reason = schedule_refusal(name, stages, microbatches, repeats)
     if reason:
         raise ValueError(reason)
-    forward, backward = SCHEDULES[name].build(stages, microbatches, repeats)
-    return Schedule(name, stages, microbatches, repeats, forward, backward)
+    forward, backward = SCHEDULES[name].build(stages, microbatches, repeats * stacks)
+    if backward is None and stacks > 1:
+        raise ValueError(f"the {name} schedule runs each stack as a pipeline of its own")
+    return Schedule(name, stages, microbatches, repeats * stacks, forward, backward)

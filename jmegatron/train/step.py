@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import itertools
 from typing import Callable
 
 import jax
@@ -86,19 +87,17 @@ def own_backward_loss(graphdef: nnx.GraphDef, cfg: GPTConfig, runner, rules: Rul
                       z_loss: float):
     """``loss_on(mesh, params, tokens)`` of make_loss_fn under a schedule with its own
     backward (1f1b): the model cut into its embedding, this stage's chunks of layers
-    and its head with the loss, run and differentiated by ``sharding.own_backward``."""
-    if len(set(cfg.moe_layers)) > 1:
-        raise ValueError(f"the {runner.schedule} schedule runs one layer stack: a dense "
-                         "model or moe.first_dense=0 (or --pipeline.schedule gpipe)")
-    moe = cfg.moe_layers[0]
+    (of each stack in model order: dense layers, then MoE ones, as one pipeline) and
+    its head with the loss, run and differentiated by ``sharding.own_backward``."""
+    kinds = [moe for moe, _ in itertools.groupby(cfg.moe_layers)]   # one stack each
 
     def loss_on(mesh, params, tokens):
         rest, staged, rebuild = staged_leaves(params)
         model = lambda rest, staged: nnx.merge(graphdef, rebuild(rest, staged))
         positions = jnp.arange(tokens.shape[1] - 1)
 
-        def chunk(rest, staged, x, r):
-            stack = model(rest, staged).layer_stack(moe, positions)
+        def chunk(rest, staged, x, r, kind):
+            stack = model(rest, staged).layer_stack(kinds[kind], positions)
             return runner.run_chunk(stack, [leaf[0] for leaf in stack.leaves], x, r)
 
         def tail(rest, staged, y, tokens):
@@ -108,11 +107,12 @@ def own_backward_loss(graphdef: nnx.GraphDef, cfg: GPTConfig, runner, rules: Rul
         pieces = Pieces(lambda rest, staged, tokens: model(rest, staged).embed_tokens(
             tokens[:, :-1]), chunk, tail, lambda stats: moe_losses(stats, cfg.moe)[0])
         with activation_sharding(mesh, rules):
-            stack = model(rest, staged).layer_stack(moe, positions)
-            loss, aux, stats = run_own_backward(runner, stack, pieces, runner.check(stack), rest,
-                                                staged, tokens)
-        max_logit = stats.pop("max_logit").max(axis=1)
-        _, moe_metrics = moe_losses(stats, cfg.moe)
+            stacks = [model(rest, staged).layer_stack(moe, positions) for moe in kinds]
+            axis = [runner.check(stack) for stack in stacks][0]
+            loss, aux, stats = run_own_backward(runner, stacks, pieces, axis, rest, staged,
+                                                tokens)
+        max_logit = jnp.concatenate([st.pop("max_logit") for st in stats]).max(axis=1)
+        _, moe_metrics = moe_losses(stats[kinds.index(True)] if True in kinds else {}, cfg.moe)
         return loss, {**aux, **moe_metrics, "max_attention_logit": max_logit}
 
     return loss_on

@@ -17,7 +17,7 @@ from jmegatron.sharding.rules import (ACTIVATION_AXES, BATCH, EXPERTS, STAGES, V
                                      indivisible, logical_to_spec, mesh_axes_of, split_size,
                                      with_rules)
 from jmegatron.sharding.runners import ScanRunner, StackRunner
-from jmegatron.sharding.schedules import make_schedule, schedule_refusal
+from jmegatron.sharding.schedules import schedule_refusal
 from jmegatron.sharding.traffic import LeafTraffic, RunOptions, Transfer
 
 ASSIGNMENTS = ("round_robin", "balanced")
@@ -116,16 +116,7 @@ class Layout:
             return (f"pipeline stages run each kind of layer as one stack, but the MoE layers "
                     f"alternate with dense ones (--model.moe.every {model.moe.every}): set "
                     "--model.moe.every 1 (or --mesh.stage 1)")
-        reason = schedule_refusal(self.schedule, self.stages, microbatches, self.repeats)
-        if reason:
-            return reason
-        own_backward = make_schedule(self.schedule, self.stages, microbatches,
-                                     self.repeats).own_backward
-        if own_backward and len(set(model.moe_layers)) > 1:
-            return (f"the {self.schedule} schedule runs one layer stack, but the first "
-                    f"{model.moe.first_dense} layers are dense and the rest MoE: set "
-                    "--model.moe.first-dense 0 (or --pipeline.schedule gpipe)")
-        return None
+        return schedule_refusal(self.schedule, self.stages, microbatches, self.repeats)
 
     def _options_refusal(self, model, mesh_shape: Mapping[str, int]) -> str | None:
         """Model options (``GPTConfig.prefetch``, ``keep_gathered``) under a layout that
@@ -239,8 +230,9 @@ class Layout:
         ones, ``model``'s MoE layers, if any, have their experts whole (they then sum
         their routing statistics over the batch ranks themselves; split over a live
         axis, a map manual over it would hold every expert), and the stage's weights
-        are whole on every batch rank (replicated, layerwise) or ``model.keep_gathered`` keeps them gathered for the
-        step (fsdp, owner: gathered once, their gradients reduce-scattered once);
+        are whole on every batch rank (replicated, layerwise) or
+        ``model.keep_gathered`` keeps them gathered for the step (fsdp, owner:
+        gathered once, their gradients reduce-scattered once);
         else none, and XLA sums each tick's gradients as it computes them (ZeRO-3's
         reduce-scatter per microbatch, for fsdp and owner)."""
         roles = axis_roles(self.rules)
