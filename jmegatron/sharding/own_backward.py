@@ -208,9 +208,9 @@ def _interpret(runner, stacks: Sequence[Stack], pieces: Pieces, axis, rest, stag
     _, _, stats, loss, aux, (d_rest, d_staged) = carry
     # Embedding and head gradients from the first and last stage: summed once.
     d_rest = jax.lax.psum(d_rest, axis)
-    per_stack = v // len(stacks)   # each stack's chunks a stage, stack after stack
+    # Items c M + k, stack after stack: stack i's [1, V, M, ...] in model order.
     stats = [runner.in_model_order(jax.tree.map(
-        lambda a: a.reshape(len(stacks), per_stack, m, *a.shape[1:])[i][None], stats[i]),
+        lambda a: a.reshape(len(stacks), runner.repeats, m, *a.shape[1:])[i][None], stats[i]),
         stack, axis) for i, stack in enumerate(stacks)]
     loss = jax.lax.psum(loss, axis) / m + sum(pieces.stats_loss(
         {k: a for k, a in st.items() if k in stack.summed}) for st, stack in zip(stats, stacks))

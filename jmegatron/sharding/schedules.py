@@ -127,22 +127,20 @@ class Schedule:
         if self.backward is None:
             return Buffers(*tables[:3], 0, *tables[3:], 0)
         arrive, fwd, bwd, g_arrive, g_bwd = tables
-        counts = [0, 0]
-        m = self.microbatches
+        inputs_used = grads_used = 0
         for s in range(self.stages):
             inputs, grads = self._intervals(s)
-            for spans, at_start, at_end, i in ((inputs, arrive, bwd, 0),
-                                               (grads, g_arrive, g_bwd, 1)):
-                slot, used = _colour(spans)
-                counts[i] = max(counts[i], used)
-                for item, (start, end) in spans.items():
-                    at_end[end, s] = slot[item]
-                    if not (at_start is arrive and s == 0 and item < m):   # embedded, not sent
-                        at_start[start, s] = slot[item]
-            for t, item in enumerate(self.forward[:, s]):
-                if item >= 0:
-                    fwd[t, s] = bwd[self._tick(self.backward, s, item), s]
-        return Buffers(arrive, fwd, bwd, counts[0], g_arrive, g_bwd, counts[1])
+            slot, used = _colour({item: (start, b) for item, (start, _, b) in inputs.items()})
+            inputs_used = max(inputs_used, used)
+            for item, (start, f, b) in inputs.items():
+                fwd[f, s] = bwd[b, s] = slot[item]
+                if s or item >= self.microbatches:   # a first chunk's input is embedded
+                    arrive[start, s] = slot[item]
+            slot, used = _colour(grads)
+            grads_used = max(grads_used, used)
+            for item, (start, b) in grads.items():
+                g_arrive[start, s] = g_bwd[b, s] = slot[item]
+        return Buffers(arrive, fwd, bwd, inputs_used, g_arrive, g_bwd, grads_used)
 
     def _tick(self, table: np.ndarray, stage: int, item: int) -> int:
         ticks = np.flatnonzero(table[:, stage] == item)
@@ -152,8 +150,9 @@ class Schedule:
         return int(ticks[0])
 
     def _intervals(self, s: int):
-        """({item: (first tick held, tick of its backward)} of stage ``s``'s inputs,
-        the same of its input gradients)."""
+        """({item: (first tick held, tick of its forward, tick of its backward)} of
+        stage ``s``'s inputs, {item: (first tick held, tick of its backward)} of its
+        input gradients)."""
         m, last = self.microbatches, self.stages - 1
         inputs, grads = {}, {}
         for item in range(self.repeats * m):
@@ -168,7 +167,7 @@ class Schedule:
                 raise ValueError(f"the {self.name} table runs item {item} on stage {s} "
                                  f"before its input (arrives at tick {start}, forward at "
                                  f"{f}, backward at {b})")
-            inputs[item] = (start, b)
+            inputs[item] = (start, f, b)
             if s == last and chunk == self.repeats - 1:
                 continue   # its backward starts from the loss
             sender = self.sender(s, backward=True)
