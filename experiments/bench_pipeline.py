@@ -104,9 +104,9 @@ def measure(model: GPTConfig, stages: int, microbatches: int, repeats: int, sche
         holder[0], metrics = step(holder[0], tokens)
         return metrics["loss"]
 
-    name = "none" if stages == 1 else f"{schedule} V={repeats}" if repeats > 1 else schedule
     work = repeats * microbatches * (2 if own else 1)
-    return {"schedule": name, "stages": stages, "microbatches": microbatches,
+    return {"schedule": "none" if stages == 1 else label(schedule, repeats),
+            "stages": stages, "microbatches": microbatches,
             "step_ms": 1e3 * best_time(one_step, 2),
             "bubble_model": table.bubble if table else 0.0,
             "own_backward": own,
@@ -128,9 +128,14 @@ def temporaries(model: GPTConfig, stages: int, microbatches: int, repeats: int, 
                                 layout_name, MICRO_ROWS * microbatches)
     temp = step.lower(state, tokens).compile().memory_analysis().temp_size_in_bytes
     activations = MICRO_ROWS // (8 // stages) * SEQ * model.d_model * 4
-    return {"schedule": f"{schedule} V={repeats}" if repeats > 1 else schedule,
+    return {"schedule": label(schedule, repeats),
             "stages": stages, "microbatches": microbatches, "temp_bytes_per_device": temp,
             "temp_in_microbatches": temp / activations}
+
+
+def label(schedule: str, repeats: int) -> str:
+    """A schedule's name in the tables, with its chunks a stage where it takes them."""
+    return f"{schedule} V={repeats}" if repeats > 1 else schedule
 
 
 def variants(args) -> list[tuple[int, str]]:

@@ -712,7 +712,8 @@ def test_own_backward_buffers_hold_each_input_until_its_backward(name, s, m, v, 
         for stage in range(s):   # what each stage sent at t arrives at t + 1
             for kind, table_, step, slots in (("inputs", table.forward, -1, buf.arrive),
                                               ("grads", table.backward, 1, buf.grad_arrive)):
-                sender = table.sender(stage, backward=step > 0)
+                sender = stage + (1 if step > 0 else -1)   # around the ring with chunks
+                sender = sender % s if v > 1 or 0 <= sender < s else None
                 item = -1 if sender is None else table_[t, sender]
                 wraps = stage == (0 if step < 0 else last)
                 item = item - step * m * wraps if item >= 0 else -1

@@ -109,14 +109,6 @@ class Schedule:
         work = (self.forward >= 0).sum() + (self.backward >= 0).sum()
         return float(1 - work / slots)
 
-    def sender(self, stage: int, backward: bool = False) -> int | None:
-        """The stage whose output (``backward``: input gradient) reaches ``stage`` a
-        tick later; around the ring where the chunks wrap (V > 1)."""
-        step, edge, wrap = (-1, self.stages - 1, 0) if backward else (1, 0, self.stages - 1)
-        if stage != edge:
-            return stage - step
-        return wrap if self.repeats > 1 else None
-
     @functools.cached_property
     def buffers(self) -> Buffers:
         """The ``Buffers`` of an own-backward schedule; ValueError where a table runs
@@ -153,31 +145,41 @@ class Schedule:
         """({item: (first tick held, tick of its forward, tick of its backward)} of
         stage ``s``'s inputs, {item: (first tick held, tick of its backward)} of its
         input gradients)."""
-        m, last = self.microbatches, self.stages - 1
         inputs, grads = {}, {}
-        for item in range(self.repeats * m):
+        source = functools.partial(_source, self.stages, self.microbatches, self.repeats, s)
+        for item in range(self.repeats * self.microbatches):
             f, b = (self._tick(t, s, item) for t in (self.forward, self.backward))
-            chunk = item // m
-            if s == 0 and chunk == 0:
-                start = f   # embedded at its forward
-            else:
-                sender = self.sender(s)
-                start = self._tick(self.forward, sender, item - m * (s == 0)) + 1
+            sent = source(item)
+            start = f if sent is None else self._tick(self.forward, *sent) + 1   # or embedded
             if not start <= f <= b:
                 raise ValueError(f"the {self.name} table runs item {item} on stage {s} "
                                  f"before its input (arrives at tick {start}, forward at "
                                  f"{f}, backward at {b})")
             inputs[item] = (start, f, b)
-            if s == last and chunk == self.repeats - 1:
+            sent = source(item, backward=True)
+            if sent is None:
                 continue   # its backward starts from the loss
-            sender = self.sender(s, backward=True)
-            arrives = self._tick(self.backward, sender, item + m * (s == last)) + 1
+            arrives = self._tick(self.backward, *sent) + 1
             if arrives > b:
                 raise ValueError(f"the {self.name} table runs item {item}'s backward on "
                                  f"stage {s} at tick {b}, before its gradient arrives "
                                  f"({arrives})")
             grads[item] = (arrives, b)
         return inputs, grads
+
+
+def _source(stages: int, m: int, chunks: int, stage: int, item: int,
+            backward: bool = False) -> tuple[int, int] | None:
+    """(stage, item) whose output (``backward``: input gradient) is ``item``'s input
+    (input gradient) on ``stage``: the same item on the stage before (after), or,
+    around the ring where the chunks wrap, the previous (next) chunk's on the last
+    (first) stage; None where the item starts there: a first chunk is embedded, the
+    last chunk's backward starts from the loss."""
+    if not backward:
+        return (stage - 1, item) if stage else ((stages - 1, item - m) if item >= m else None)
+    if stage < stages - 1:
+        return stage + 1, item
+    return (0, item + m) if item < (chunks - 1) * m else None
 
 
 def _colour(spans: dict) -> tuple[dict, int]:
@@ -217,9 +219,9 @@ def _simulated(stages: int, m: int, v: int, forward_order, backward_order, in_fl
     it) while fewer than ``in_flight(stage)`` of its items await their backward, then
     the next backward whose gradient has arrived (the last chunk on the last stage:
     once its forward has run, that tick or before)."""
-    items, last = v * m, stages - 1
+    items = v * m
     done = {(d, s): {} for d in "fb" for s in range(stages)}   # item -> its tick
-    sent = lambda key, item, t: done[key].get(item, t) < t   # by tick t - 1 or before
+    sent = lambda kind, src, t: done[kind, src[0]].get(src[1], t) < t   # by tick t - 1
     rows = []
     for t in itertools.count():
         if all(len(done["b", s]) == items for s in range(stages)):
@@ -229,15 +231,15 @@ def _simulated(stages: int, m: int, v: int, forward_order, backward_order, in_fl
         row = np.full((2, stages), -1)
         for s in range(stages):
             fwd, bwd = done["f", s], done["b", s]
+            source = functools.partial(_source, stages, m, v, s)
             if len(fwd) < items and len(fwd) - len(bwd) < in_flight(s):
                 i = forward_order[len(fwd)]
-                if (s == 0 and i < m) or sent(("f", s - 1) if s else ("f", last),
-                                              i if s else i - m, t):
+                if source(i) is None or sent("f", source(i), t):   # embedded, or arrived
                     fwd[i], row[0, s] = t, i
             if len(bwd) < items:
                 j = backward_order[len(bwd)]
-                if (fwd.get(j, t + 1) <= t if s == last and j >= items - m else
-                        sent(("b", s + 1) if s < last else ("b", 0), j if s < last else j + m, t)):
+                src = source(j, backward=True)
+                if (fwd.get(j, t + 1) <= t) if src is None else sent("b", src, t):
                     bwd[j], row[1, s] = t, j
         rows.append(row)
     table = np.stack(rows)
@@ -268,10 +270,10 @@ def schedule_refusal(name: str, stages: int, microbatches: int, repeats: int = 1
     in one line; None where it can."""
     if name not in SCHEDULES:
         return f"unknown pipeline schedule {name!r}; choose one of {tuple(SCHEDULES)}"
-    kind = SCHEDULES[name]
-    if kind.chunked != (repeats > 1):
-        return repeats_refusal(name, repeats)
-    if kind.groups and repeats > 1 and microbatches % stages:
+    reason = repeats_refusal(name, repeats)
+    if reason:
+        return reason
+    if SCHEDULES[name].groups and repeats > 1 and microbatches % stages:
         return (f"the {name} schedule takes the microbatches in groups of the {stages} "
                 f"stages: --microbatches {microbatches} must be a multiple of {stages}")
     return None
@@ -286,6 +288,7 @@ def repeats_refusal(name: str, repeats: int) -> str | None:
             f"{' and '.join(n for n in SCHEDULES if n not in chunked)}")
 
 
+@functools.cache   # tables and buffers computed once per sizes (read at every trace)
 def make_schedule(name: str, stages: int, microbatches: int, repeats: int = 1,
                   stacks: int = 1) -> Schedule:
     """The tables of schedule ``name``; ValueError where it cannot run these sizes

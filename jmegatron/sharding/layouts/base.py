@@ -12,10 +12,8 @@ from jax.sharding import PartitionSpec as P
 
 from jmegatron.sharding.pipeline import PipelineRunner
 from jmegatron.sharding.rules import (ACTIVATION_AXES, BATCH, EXPERTS, STAGES, VOCAB, Rules,
-                                     axis_roles,
-                                     check_vocab_apart_from_batch,
-                                     indivisible, logical_to_spec, mesh_axes_of, split_size,
-                                     with_rules)
+                                     axis_roles, check_vocab_apart_from_batch, indivisible,
+                                     logical_to_spec, mesh_axes_of, split_size, with_rules)
 from jmegatron.sharding.runners import ScanRunner, StackRunner
 from jmegatron.sharding.schedules import schedule_refusal
 from jmegatron.sharding.traffic import LeafTraffic, RunOptions, Transfer
