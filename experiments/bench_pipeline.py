@@ -25,8 +25,8 @@ owner's weights; with --keep-gathered, a stage's weights are gathered once a ste
 and their gradients reduce-scattered once: the baseline row keeps the layout's
 default); and the train step's temporaries per device (XLA's memory analysis).
 An idle stage's tick computes on zeros, so the devices' work together is
-1 / (1 - bubble) of the unpipelined step's, 4/3 of that for a schedule with its
-own backward, which runs each forward twice ("work vs none"); on 8 virtual
+1 / (1 - bubble) of the unpipelined step's ("work vs none"; a schedule with its
+own backward keeps what ``--remat`` keeps, as JAX's backward does); on 8 virtual
 devices sharing 2 cores that work adds up and nothing overlaps: read the times
 against it, not as a GPU's speed. A second table compiles each schedule with M
 microbatches of a fixed size, so the batch grows with M: the temporaries per
@@ -44,6 +44,7 @@ import jax.numpy as jnp
 from experiments.bench_common import argv, best_time, print_table, write_results
 from jmegatron.analysis import hlo_collectives
 from jmegatron.models import GPTConfig
+from jmegatron.models.config import REMAT_POLICIES
 from jmegatron.sharding import MeshConfig, make_mesh
 from jmegatron.sharding.layouts import LAYOUTS, make_layout
 from jmegatron.sharding.schedules import SCHEDULES, make_schedule
@@ -109,7 +110,6 @@ def measure(model: GPTConfig, stages: int, microbatches: int, repeats: int, sche
             "stages": stages, "microbatches": microbatches,
             "step_ms": 1e3 * best_time(one_step, 2),
             "bubble_model": table.bubble if table else 0.0,
-            "own_backward": own,
             "ticks": table.ticks if table else 0,
             "bubble_hlo": (slots - work) / slots if slots else 0.0,
             "permute_bytes_per_device": moved(permutes),
@@ -164,6 +164,8 @@ def parser() -> argparse.ArgumentParser:
     parser.add_argument("--layout", default="fsdp", choices=LAYOUTS)
     parser.add_argument("--keep-gathered", action="store_true",
                         help="fsdp and owner: gather each stage's weights once a step")
+    parser.add_argument("--remat", default="none", choices=REMAT_POLICIES,
+                        help="every row's --model.remat")
     parser.add_argument("--out", default=None)
     return parser
 
@@ -173,7 +175,8 @@ def main(args_list: list[str] | None = None) -> list[dict]:
     args.stages = args.stages or ([2] if args.small else [2, 4])
     args.per_stage = args.per_stage or ([1] if args.small else [1, 2, 4])
     jax.config.update("jax_num_cpu_devices", 8)
-    model = dataclasses.replace(model_config(args.small), keep_gathered=args.keep_gathered)
+    model = dataclasses.replace(model_config(args.small), keep_gathered=args.keep_gathered,
+                                remat=args.remat)
     rows = [measure(model, 1, 1, 1, "gpipe", args.optim, args.layout)]
     rows += [measure(model, s, k * s, v, name, args.optim, args.layout)
              for v, name in variants(args) for s in args.stages for k in args.per_stage]
@@ -181,13 +184,12 @@ def main(args_list: list[str] | None = None) -> list[dict]:
         r["step_vs_none"] = r["step_ms"] / rows[0]["step_ms"]
         # Every stage computes on every tick, idle ones on zeros: the devices' work
         # together is 1 / (1 - bubble) of the unpipelined step's (XLA's cost analysis
-        # counts a loop's body once, whatever its trip count, so it cannot say); a
-        # schedule with its own backward also recomputes each forward: 4/3 of the
-        # layers' forward + backward.
-        r["work_vs_none"] = (4 / 3 if r.pop("own_backward") else 1) / (1 - r["bubble_model"])
+        # counts a loop's body once, whatever its trip count, so it cannot say).
+        r["work_vs_none"] = 1 / (1 - r["bubble_model"])
     print(f"model: {model.n_layers} layers, D={model.d_model}, F={model.d_ff}, "
           f"{model.param_count() / 1e6:.1f}M params; batch {BATCH} x {SEQ}; {args.layout} layout"
-          f"{' kept gathered' if args.keep_gathered else ''}, {args.optim}; stage S x fsdp 8/S")
+          f"{' kept gathered' if args.keep_gathered else ''}, {args.optim}, remat {args.remat}; "
+          "stage S x fsdp 8/S")
     print_table(rows, [("schedule", "schedule", ""), ("stages", "S", "d"),
                        ("microbatches", "M", "d"), ("step_ms", "train step ms", ".0f"),
                        ("step_vs_none", "vs none", ".2f"),

@@ -470,15 +470,14 @@ def pipeline_work(s: Setting, cfg) -> dict:
     microbatches, schedule and bubble, and the FLOPs per device of the step's
     pipelined part (the layers, run 1 / (1 - bubble) as long: every tick computes,
     idle ones on zeros) and of its replicated part (the embedding and head, which
-    every stage computes for the whole batch; with a schedule that runs its own
-    backward (1f1b) also the one extra forward of the layers its backward
-    recomputes). Without stages: no bubble, the model's FLOPs."""
+    every stage computes for the whole batch; a schedule that runs its own backward
+    keeps what the layers' remat keeps, as JAX's backward does). Without stages: no bubble, the model's FLOPs."""
     from jmegatron.sharding.schedules import make_schedule
     tokens = s.batch * s.seq
     total = cfg.flops_per_token(s.seq) * tokens
     head = 6 * cfg.d_model * cfg.vocab * tokens
     table = make_schedule(s.schedule, s.stages, s.microbatches) if s.stages > 1 else None
-    layers = (total - head) * (4 / 3 if table and table.own_backward else 1)
+    layers = total - head
     return {"stages": s.stages, "microbatches": s.microbatches,
             "schedule": s.schedule if s.stages > 1 else "-",
             "bubble": table.bubble if table else 0.0,

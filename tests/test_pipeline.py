@@ -18,17 +18,19 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 import helpers
 from cli_runs import SMALL, main
 from experiments.train import parse
 from jmegatron.analysis import hlo, hlo_collectives
 from jmegatron.models import GPTConfig, MoEConfig
-from jmegatron.models.gpt import real_layers, ungroup
+from jmegatron.models.gpt import LAYER_INPUT, kept_for_backward, real_layers, ungroup
 from jmegatron.optim import trainable_params
 from jmegatron.sharding import MeshConfig, make_mesh, nested
 from jmegatron.sharding.layouts import make_layout
 from jmegatron.sharding.pipeline import PipelineRunner
+from jmegatron.sharding.own_backward import Stash
 from jmegatron.sharding.schedules import SCHEDULES, make_schedule
 from jmegatron.sharding.stacks import stack_of
 from jmegatron.train import (AdamWConfig, PipelineConfig, ScheduleConfig, TrainConfig, Trainer,
@@ -389,8 +391,8 @@ def moe_only_reference():
         "moe_stage4_data2_owner", "moe_stage4_data2_layerwise",
         "dense_and_moe_stage2_fsdp2_tensor2_layerwise", "dense_and_moe_stage4_data2_owner"])
 def test_1f1b_three_steps_equal_one_device(mesh_config, layout, model, want, request):
-    """1f1b's own backward (sharding.own_backward): each stage recomputes its layers
-    from the inputs it kept, the head's gradient starts each microbatch's backward, the
+    """1f1b's own backward (sharding.own_backward): each stage's backward rebuilds its
+    chunk's vjp from what the forward kept, the head's gradient starts each microbatch's backward, the
     MoE losses' constant cotangents reach every layer's router, and the embedding and
     head gradients of the first and last stage are summed once; a dense and an MoE
     stack run as two chunks a stage of one pipeline (a stage picks its chunk's stack
@@ -423,15 +425,45 @@ def test_interleaved_1f1b_three_steps_equal_one_device(mesh_config, layout, mode
 
 def test_1f1b_temporaries_do_not_grow_with_the_microbatches(stage2_temporaries):
     """Twice the microbatches (of the same size) at the same S: gpipe keeps each one's
-    activations (more than one microbatch's activations more), 1f1b at most 2S - 1
-    stage inputs whatever M (less than one microbatch's activations apart), and its
-    interleaved form at most 2S - 1 + (V - 1) S chunk inputs."""
+    activations (more than one microbatch's activations more), 1f1b what the forwards
+    of at most 2S - 1 microbatches keep whatever M (less than one microbatch's
+    activations apart), and its interleaved form those of 2S - 1 + (V - 1) S chunks."""
     activations = B // 4 // 4 * T * MODEL.d_model * 4   # one microbatch, per device
     temp = {key: value[0] for key, value in stage2_temporaries.items()}
     assert temp["gpipe", 8] - temp["gpipe", 4] > 4 * activations, temp
     for schedule in ("1f1b", "interleaved-1f1b"):
         assert abs(temp[schedule, 8] - temp[schedule, 4]) < activations, temp
         assert temp[schedule, 4] < temp["gpipe", 4], temp
+
+
+@pytest.mark.parametrize("remat, want", [("none", ["inputs", "activations"]), ("full", ["inputs"])])
+def test_a_chunk_keeps_for_its_backward_what_remat_keeps_never_weights(remat, want):
+    """What an own-backward schedule keeps from a chunk's forward to its backward
+    (``own_backward.Stash``): under remat "none" the products (the weights' casts to
+    the compute dtype are recomputed, not kept a microbatch each), under "full" only
+    each layer's input; the vjp rebuilt from them equals JAX's."""
+    layers, b, d = 3, 4, 8
+    keys = jax.random.split(jax.random.key(0), 3)
+    w = [jax.random.normal(keys[0], (layers, d, 2 * d)),
+         jax.random.normal(keys[1], (layers, 2 * d, d))]
+    x = jax.random.normal(keys[2], (b, d))
+
+    def chunk(w, x):
+        def layer(x, w):
+            x = checkpoint_name(x, LAYER_INPUT)
+            h = jax.nn.gelu(x.astype(jnp.bfloat16) @ w[0].astype(jnp.bfloat16))
+            return x + (h @ w[1].astype(jnp.bfloat16)).astype(x.dtype), None
+        return jax.lax.scan(layer, x, w)[0]
+
+    backward_of = lambda x, r: jax.vjp(
+        jax.checkpoint(chunk, policy=kept_for_backward(remat)), w, x)[1]
+    stash = Stash.of(backward_of, lambda: (x, 0), w)
+    kinds = ["inputs" if a.shape == (layers, b, d) else "activations" if a.shape[:2] == (
+        layers, b) else a.shape for a in stash.shapes]
+    assert kinds == want, stash.shapes
+    dy = jax.random.normal(keys[0], (b, d))
+    rebuilt = stash.rebuild(stash.keep(backward_of(x, 0)), x)(dy)
+    chex.assert_trees_all_close(rebuilt, jax.vjp(chunk, w, x)[1](dy), rtol=1e-6)
 
 
 @pytest.mark.parametrize("m", [4, 8])

@@ -8,6 +8,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from jmegatron.models.config import GPTConfig
 from jmegatron.models.layers import Block, embed_lookup, param, rms_norm
@@ -23,6 +24,19 @@ _REMAT = {
     "dots": ax.dots_policy(batch_dims=True),
     "dots_no_batch": ax.dots_policy(),
 }
+LAYER_INPUT = "layer_input"   # each layer's input in a stack (``checkpoint_name``)
+
+
+def kept_for_backward(remat: str):
+    """The ``jax.checkpoint`` policy of what a pipeline chunk's forward keeps for its
+    own backward (``sharding.own_backward``) under ``remat``: each layer's input and
+    the MoE exchanges' outputs, and the products ``remat`` keeps, all of them under
+    "none" (as "dots": the elementwise work is recomputed, and a weight's cast to
+    the compute dtype, which would be a copy of the weights a microbatch)."""
+    policies = jax.checkpoint_policies
+    inner = ax.dots_policy(batch_dims=True) if remat == "none" else _REMAT[remat]
+    return policies.save_from_both_policies(
+        inner, policies.save_only_these_names(LAYER_INPUT, ax.EXCHANGED))
 
 
 class Aux(NamedTuple):
@@ -145,8 +159,9 @@ class GPT(nnx.Module):
 
         if cfg.remat != "none":
             one_layer = jax.checkpoint(one_layer, policy=_REMAT[cfg.remat])
+        named = lambda x, layer_state: one_layer(checkpoint_name(x, LAYER_INPUT), layer_state)
         layers = cfg.n_layers - cfg.dense_layers if moe else cfg.dense_layers
-        return Stack(one_layer, state, start, layers - start if n is None else n,
+        return Stack(named, state, start, layers - start if n is None else n,
                      STATS if moe else (), self_sharded=moe)
 
 

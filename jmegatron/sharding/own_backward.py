@@ -15,14 +15,16 @@ i = r M + k is microbatch k through the stage's chunk r):
   forward   of item i: its input is microbatch k's embedding (chunk 0 of stage
             0) or the activation that arrived from the stage before (the last
             stage's chunk r - 1 for stage 0), kept in a slot until its backward
-            (``Schedule.buffers``); the output goes on to the next stage, around
-            the ring where the chunks wrap (V > 1).
-  backward  of item j: the chunk recomputed from its kept input (as Megatron's
-            1F1B with full recomputation of a stage: one extra forward, and
-            temporaries bounded by the slots, not by M); on the last stage's last
-            chunk, the head and the loss on the recomputed output start the
-            backward, elsewhere the input gradient that arrived from the next
-            stage; the chunk's input gradient goes back to the stage before.
+            (``Schedule.buffers``), with what the chunk's ``jax.vjp`` keeps for its
+            backward (``Stash``: the residuals the layers' remat policy keeps,
+            ``Pieces.kept``, and the output); the output goes on to the next
+            stage, around the ring where the chunks wrap (V > 1).
+  backward  of item j: the chunk's vjp rebuilt from what its forward kept (no
+            forward runs twice unless the layers' remat recomputes it, as in
+            JAX's own backward and Megatron's 1F1B); on the last stage's last
+            chunk, the head and the loss on the kept output start the backward,
+            elsewhere the input gradient that arrived from the next stage; the
+            chunk's input gradient goes back to the stage before.
 
 A model of two stacks (dense layers, then MoE ones) runs as one pipeline: chunk c
 of the table is chunk c % V of stack c // V (``make_schedule(..., stacks=2)``), and
@@ -79,6 +81,8 @@ class Pieces(NamedTuple):
                       # chunk r of the stack ``kind`` (its index in model order)
     tail: Callable    # (rest, staged, y, tokens) -> (loss, aux): head and mean loss
     stats_loss: Callable   # a stack's stats [L, ...] -> their loss; linear
+    kept: Callable         # the jax.checkpoint policy of what a chunk's forward keeps for
+                           # its backward (``models.gpt.kept_for_backward``)
 
 
 def run_own_backward(runner, stacks: Sequence[Stack], pieces: Pieces, axis, rest, staged,
@@ -131,34 +135,44 @@ def _interpret(runner, stacks: Sequence[Stack], pieces: Pieces, axis, rest, stag
     rest = varying(rest)
     front = lambda r, tok: pieces.front(r, staged, tok)
     embedded = lambda: front(rest, micro[0])   # (eval_shape of closures: the traced types)
-    chunk, stats_cotangent, stats_shape = _chunks(runner, stacks, pieces, rest, staged,
-                                                  embedded, m, axis)
+    chunk, stats_cotangent, stats_shape, stats_like = _chunks(runner, stacks, pieces, rest,
+                                                              staged, embedded, m, axis)
+
+    def linearize(x, r):   # ((y, stats), the backward) of chunk r on x
+        return jax.vjp(jax.checkpoint(lambda st, x: chunk(st, x, r), policy=pieces.kept),
+                       staged, x)
+
     x_shape, aux_shape = jax.eval_shape(lambda: (embedded(), pieces.tail(
         rest, staged, chunk(staged, embedded(), 0)[0], micro[0])[1]))
     zeros = lambda tree: jax.tree.map(lambda a: varying(jnp.zeros(a.shape, a.dtype)), tree)
     slots = lambda n: varying(jnp.zeros((n, *x_shape.shape), x_shape.dtype))
     item = lambda t, kind: (work[kind][t, stage] >= 0, *divmod(jnp.maximum(
         work[kind][t, stage], 0), m))   # (whether there is one, its chunk, microbatch)
+    stash = Stash.of(lambda x, r: linearize(x, r)[1],
+                     lambda: (embedded(), item(0, "forward")[1]), staged)
 
-    def forward(t, inputs, stats):
-        """Item i's forward, its input kept: (inputs, stats, the output)."""
+    def forward(t, inputs, kept, stats):
+        """Item i's forward, its input and what its backward needs kept: (inputs, kept,
+        stats, the output)."""
         ok, r, k = item(t, "forward")
         slot = work["forward_slot"][t, stage]
         x = jnp.where(first & (r == 0), front(rest, at(micro, k)), at(inputs, slot))
         inputs = keep(inputs, x, ok, slot)   # a first chunk's input is kept from here
-        y, st = chunk(staged, x, r)
+        (y, st), pull = linearize(x, r)
+        kept = [keep(buf, new, ok, slot) for buf, new in zip(kept, [y, *stash.keep(pull)])]
         stats = jax.tree.map(lambda buf, new: keep(buf, new, ok, r * m + k), stats, st)
-        return inputs, stats, y
+        return inputs, kept, stats, y
 
-    def backward(t, inputs, grads_in, y):
-        """Item j's backward from its kept input (after this tick's forward output
+    def backward(t, inputs, kept, grads_in, y):
+        """Item j's backward from what its forward kept (read after this tick's forward output
         ``y``, if any: XLA:CPU may run two layer loops that do not depend on each
         other in either order on each device, and two devices then wait for each
         other at different collectives); (the input gradient, loss, aux, gradients)."""
         ok, r, k = item(t, "backward")
-        x = at(inputs, work["backward_slot"][t, stage])
-        x = x if y is None else after(y, x)
-        (y_k, st_k), pull_chunk = jax.vjp(lambda st, x: chunk(st, x, r), staged, x)
+        slot = work["backward_slot"][t, stage]
+        slot = slot if y is None else after(y, slot)   # every read waits for y
+        y_k, *kept = [at(buf, slot) for buf in kept]
+        pull_chunk = stash.rebuild(kept, at(inputs, slot))
         # The last chunk on the last stage: the loss of k, and its gradient.
         ends = last & (r == v - 1) & ok
         loss_k, pull_tail, aux_k = jax.vjp(
@@ -166,7 +180,7 @@ def _interpret(runner, stacks: Sequence[Stack], pieces: Pieces, axis, rest, stag
         d_rest_tail, dy_tail = pull_tail(jnp.ones_like(loss_k) / m)
         dy = jnp.where(last & (r == v - 1), dy_tail,
                        at(grads_in, work["grad_slot"][t, stage]))
-        d_staged, dx = pull_chunk((dy, stats_cotangent(ok, st_k, r)))
+        d_staged, dx = pull_chunk((dy, stats_cotangent(ok, stats_like, r)))
         _, pull_front = jax.vjp(front, rest, at(micro, k))
         d_rest_front, _ = pull_front(dx)
         grads = (add(masked(d_rest_tail, ends), masked(d_rest_front, first & (r == 0) & ok)),
@@ -181,12 +195,12 @@ def _interpret(runner, stacks: Sequence[Stack], pieces: Pieces, axis, rest, stag
         """One tick of a phase: the work it has; what it sends arrives at the next,
         kept after this tick's backward has read the slots freed by it. The output is
         sent after the input gradient (the same XLA:CPU hazard as ``backward``'s)."""
-        inputs, grads_in, stats, loss, aux, grads = carry
+        inputs, kept, grads_in, stats, loss, aux, grads = carry
         y = None
         if has_forward:
-            inputs, stats, y = forward(t, inputs, stats)
+            inputs, kept, stats, y = forward(t, inputs, kept, stats)
         if has_backward:
-            dx, loss_k, aux_k, d = backward(t, inputs, grads_in, y)
+            dx, loss_k, aux_k, d = backward(t, inputs, kept, grads_in, y)
             loss, aux, grads = loss + loss_k, add(aux, aux_k), add(grads, d)
             dx = jax.lax.ppermute(dx, axis, ring(-1))
             grads_in = arrive(grads_in, "grad_arrive", dx, t)
@@ -195,9 +209,12 @@ def _interpret(runner, stacks: Sequence[Stack], pieces: Pieces, axis, rest, stag
             inputs = arrive(inputs, "arrive", jax.lax.ppermute(y, axis, ring(1)), t)
         inputs = constrain(inputs, (None, BATCH, SEQ, ACT_EMBED))
         grads_in = constrain(grads_in, (None, BATCH, SEQ, ACT_EMBED))
-        return (inputs, grads_in, stats, loss, aux, grads), None
+        return (inputs, kept, grads_in, stats, loss, aux, grads), None
 
-    carry = (slots(buffers.inputs), slots(max(buffers.grads, 1)),
+    carry = (slots(buffers.inputs),   # then the chunks' outputs and stashes, as they
+             [varying(jnp.zeros((buffers.inputs, *a.shape), a.dtype))   # the inputs' slots
+              for a in [x_shape, *stash.shapes]],
+             slots(max(buffers.grads, 1)),
              jax.tree.map(lambda a: varying(jnp.zeros((v * m, *a.shape), a.dtype)),
                           stats_shape),
              varying(jnp.zeros((), jnp.float32)), zeros(aux_shape),
@@ -205,7 +222,7 @@ def _interpret(runner, stacks: Sequence[Stack], pieces: Pieces, axis, rest, stag
     for start, end, has_forward, has_backward in table.phases:
         carry, _ = jax.lax.scan(functools.partial(tick, has_forward, has_backward), carry,
                                 jnp.arange(start, end))
-    _, _, stats, loss, aux, (d_rest, d_staged) = carry
+    _, _, _, stats, loss, aux, (d_rest, d_staged) = carry
     # Embedding and head gradients from the first and last stage: summed once.
     d_rest = jax.lax.psum(d_rest, axis)
     # Items c M + k, stack after stack: stack i's [1, V, M, ...] in model order.
@@ -218,14 +235,60 @@ def _interpret(runner, stacks: Sequence[Stack], pieces: Pieces, axis, rest, stag
     return (loss, aux, stats), (d_rest, d_staged)
 
 
+class Stash(NamedTuple):
+    """What a chunk's forward keeps for its backward: the residuals of its ``jax.vjp``
+    (``Pieces.kept`` chooses them) but the weights and the chunk's input, which the
+    backward has anyway. Each has a buffer of the input's slots (``Schedule.buffers``):
+    kept from the forward until the backward rebuilds the vjp from them."""
+
+    treedef: jax.tree_util.PyTreeDef   # of the vjp function
+    sources: tuple                     # each residual's: a weight's index, -1: the
+                                       # chunk's input, None: kept
+    shapes: tuple                      # the kept residuals' (jax.ShapeDtypeStruct)
+    weights: list                      # this stage's blocks, as the vjp took them
+
+    @classmethod
+    def of(cls, backward_of: Callable, like: Callable, weights) -> "Stash":
+        """The stash of ``backward_of(x, r)`` (chunk r's vjp function at input x,
+        linearized at ``weights``) for arguments like ``like()`` (traced as the ticks
+        trace theirs: the vjp function is rebuilt from this trace's structure)."""
+        found = {}
+
+        def kept(x, r):
+            leaves, found["treedef"] = jax.tree.flatten(backward_of(x, r))
+            ids = {id(a): i for i, a in enumerate(jax.tree.leaves(weights))}
+            found["sources"] = tuple(-1 if a is x else ids.get(id(a)) for a in leaves)
+            return [a for a, source in zip(leaves, found["sources"]) if source is None]
+
+        shapes = jax.eval_shape(lambda: kept(*like()))
+        return cls(found["treedef"], found["sources"], tuple(shapes), weights)
+
+    def keep(self, backward) -> list:
+        """The residuals of ``backward`` to keep."""
+        leaves = jax.tree.leaves(backward)
+        kept = [a for a, source in zip(leaves, self.sources) if source is None]
+        if len(leaves) != len(self.sources) or [a.shape for a in kept] != [
+                a.shape for a in self.shapes]:
+            raise ValueError("a chunk's vjp changed its residuals between two traces")
+        return kept
+
+    def rebuild(self, kept: Sequence[jax.Array], x) -> Callable:
+        """The vjp function from its ``kept`` residuals and its input ``x``."""
+        weights, kept = jax.tree.leaves(self.weights), iter(kept)
+        return jax.tree.unflatten(self.treedef, [
+            next(kept) if source is None else x if source == -1 else weights[source]
+            for source in self.sources])
+
+
 def _chunks(runner, stacks: Sequence[Stack], pieces: Pieces, rest, staged, embedded, m: int,
             axis):
-    """(chunk, stats_cotangent, stats shapes) of ``stacks`` run as one pipeline, on inputs
-    like ``embedded()``: chunk c of the table is chunk c % V of stack c // V.
-    ``chunk(staged, x, c)`` -> (y, each stack's stats: zeros but for c's);
-    ``stats_cotangent(ok, stats, c)`` their cotangents in its backward
-    (``_stats_cotangents``). With several stacks a stage runs c's stack by
-    ``lax.switch``: at a tick, stages may run different ones."""
+    """(chunk, stats_cotangent, stats shapes, stats zeros) of ``stacks`` run as one
+    pipeline, on inputs like ``embedded()``: chunk c of the table is chunk c % V of
+    stack c // V. ``chunk(staged, x, c)`` -> (y, each stack's stats: zeros but for
+    c's); ``stats_cotangent(ok, stats, c)`` their cotangents in its backward
+    (``_stats_cotangents``; ``stats`` typed as the chunk's, as the zeros are). With
+    several stacks a stage runs c's stack by ``lax.switch``: at a tick, stages may
+    run different ones."""
     v = runner.repeats
     shapes = [jax.eval_shape(lambda: pieces.chunk(rest, staged, embedded(), 0, i)[1])
               for i in range(len(stacks))]
@@ -251,7 +314,7 @@ def _chunks(runner, stacks: Sequence[Stack], pieces: Pieces, rest, staged, embed
         return [f(ok & (c // v == i), st, c % v)
                 for i, (f, st) in enumerate(zip(cotangents, stats))]
 
-    return chunk, stats_cotangent, shapes
+    return chunk, stats_cotangent, shapes, [zeros(shape) for shape in shapes]
 
 
 def after(first: jax.Array, then: jax.Array) -> jax.Array:

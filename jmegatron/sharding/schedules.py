@@ -46,13 +46,13 @@ class Buffers(NamedTuple):
     [ticks, S] slot tables (-1: nothing) and the slots each buffer needs.
 
     ``inputs`` holds a chunk input from its arrival (or, for a microbatch's first
-    chunk, its embedding at the forward) until its backward recomputes the chunk
-    from it; ``grads`` holds an input gradient from its arrival until its backward
+    chunk, its embedding at the forward) until its backward; what the forward keeps
+    for the backward (``own_backward.Stash``) has slots of the same index; ``grads`` holds an input gradient from its arrival until its backward
     reads it (the last chunk's backward starts from the loss instead)."""
 
     arrive: np.ndarray          # the slot the activation received at this tick goes to
     forward_slot: np.ndarray    # the slot the forward reads (a first chunk's: writes)
-    backward_slot: np.ndarray   # the slot the backward recomputes from
+    backward_slot: np.ndarray   # the slot the backward reads
     inputs: int
     grad_arrive: np.ndarray     # the slot the gradient received at this tick goes to
     grad_slot: np.ndarray       # the slot the backward's input gradient is in

@@ -280,10 +280,10 @@ class PipelineConfig:
     (S-1)/(M+S-1), every microbatch's activations kept; circular: each stage holds
     --pipeline.repeats V interleaved chunks of layers and every microbatch goes around
     the stages V times, bubble (S-1)/(V M+S-1) (needs M >= S); 1f1b: one forward and
-    one backward a tick, at most 2S-1 microbatches' stage inputs kept whatever M,
-    bubble (S-1)/(M+S-1), one extra forward (the backward recomputes the stage);
-    interleaved-1f1b: 1f1b over V chunks a stage (M a multiple of S), bubble
-    (S-1)/(V M+S-1), at most 2S-1+(V-1)S chunk inputs kept."""
+    one backward a tick, what the forwards of at most 2S-1 microbatches keep (as
+    --model.remat says) whatever M, bubble (S-1)/(M+S-1); interleaved-1f1b: 1f1b over
+    V chunks a stage (M a multiple of S), bubble (S-1)/(V M+S-1), what at most
+    2S-1+(V-1)S chunks' forwards keep."""
     repeats: int = 1
     """Chunks of layers per stage V (circular, interleaved-1f1b: >= 2; gpipe, 1f1b: 1)."""
 

@@ -13,6 +13,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 
 from jmegatron.models.config import GPTConfig
+from jmegatron.models.gpt import kept_for_backward
 from jmegatron.models.loss import cross_entropy
 from jmegatron.models.moe import balance_expert_bias, moe_losses
 from jmegatron.models.qk_clip import Clip
@@ -105,7 +106,8 @@ def own_backward_loss(graphdef: nnx.GraphDef, cfg: GPTConfig, runner, rules: Rul
                                  cfg.vocab_size, z_loss=z_loss, mesh=mesh, rules=rules)
 
         pieces = Pieces(lambda rest, staged, tokens: model(rest, staged).embed_tokens(
-            tokens[:, :-1]), chunk, tail, lambda stats: moe_losses(stats, cfg.moe)[0])
+            tokens[:, :-1]), chunk, tail, lambda stats: moe_losses(stats, cfg.moe)[0],
+            kept_for_backward(cfg.remat))
         with activation_sharding(mesh, rules):
             stacks = [model(rest, staged).layer_stack(moe, positions) for moe in kinds]
             axis = [runner.check(stack) for stack in stacks][0]
