@@ -14,9 +14,8 @@ for each S stages (stage S x fsdp 8/S) and M = k * S microbatches (k of
 chunks a stage for each V of --repeats): the train step's time and its ratio to
 the baseline's; the bubble as modelled (``sharding.schedules``: counted on the
 schedule's table) and as compiled (from the collective-permutes' trip counts: a
-tick of gpipe or circular sends once, and its backward mirrors it, so T sends
-leave (T - V M) / T idle; a schedule with its own backward sends once a tick
-with forwards and once a tick with backwards, 2 V M of them work); the bytes per
+tick sends once if it has forwards and once if it has backwards, 2 V M of the
+sends work); the bytes per
 device the collective-permutes across ``stage`` move per step, and everything
 else that crosses it; the bytes per device of the sums over the batch axes (the
 gradients', once a step where ``Layout.pipeline_batch_axes`` names them, else
@@ -25,8 +24,8 @@ owner's weights; with --keep-gathered, a stage's weights are gathered once a ste
 and their gradients reduce-scattered once: the baseline row keeps the layout's
 default); and the train step's temporaries per device (XLA's memory analysis).
 An idle stage's tick computes on zeros, so the devices' work together is
-1 / (1 - bubble) of the unpipelined step's ("work vs none"; a schedule with its
-own backward keeps what ``--remat`` keeps, as JAX's backward does); on 8 virtual
+1 / (1 - bubble) of the unpipelined step's ("work vs none"; a pipeline's forward
+keeps what ``--remat`` keeps, as JAX's backward does); on 8 virtual
 devices sharing 2 cores that work adds up and nothing overlaps: read the times
 against it, not as a GPU's speed. A second table compiles each schedule with M
 microbatches of a fixed size, so the batch grows with M: the temporaries per
@@ -92,11 +91,8 @@ def measure(model: GPTConfig, stages: int, microbatches: int, repeats: int, sche
     sums = [c for c in over_batch if c.kind in ("all-reduce", "reduce-scatter")]
     permutes = [c for c in crossing if c.kind == "collective-permute"]
     table = make_schedule(schedule, stages, microbatches, repeats) if stages > 1 else None
-    own = table is not None and table.own_backward
-    # A tick sends once (JAX's backward mirrors the forward's ticks); an own-backward
-    # schedule sends once a tick that has forwards and once a tick that has backwards.
-    sends = [c.executions for c in permutes]
-    slots = sum(sends) if own else max(sends, default=0)
+    # A tick sends once if it has forwards and once if it has backwards.
+    slots = sum(c.executions for c in permutes)
     moved = lambda cs: sum(c.bytes_per_device * c.executions for c in cs)
     temp = step.lower(state, tokens).compile().memory_analysis().temp_size_in_bytes
     holder = [jax.tree.map(jnp.copy, state)]
@@ -105,7 +101,7 @@ def measure(model: GPTConfig, stages: int, microbatches: int, repeats: int, sche
         holder[0], metrics = step(holder[0], tokens)
         return metrics["loss"]
 
-    work = repeats * microbatches * (2 if own else 1)
+    work = 2 * repeats * microbatches
     return {"schedule": "none" if stages == 1 else label(schedule, repeats),
             "stages": stages, "microbatches": microbatches,
             "step_ms": 1e3 * best_time(one_step, 2),

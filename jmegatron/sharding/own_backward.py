@@ -1,13 +1,13 @@
-"""Schedules that run their own backward (``1f1b``, ``interleaved-1f1b``): one
+"""Pipeline schedules (``gpipe``, ``circular``, ``1f1b``, ``interleaved-1f1b``): one
 interpreter of their tables, one ``custom_vjp`` whose forward already computes
 the gradients.
 
-GPipe differentiates its tick loop as a whole: the backward starts after the
-last forward, and every stage keeps the activations of all M microbatches.
-1F1B (Narayanan et al., 2021, "PipeDream-Flush") starts each microbatch's
-backward as soon as its forward has left the last stage, so a stage keeps a
-bounded number of microbatches in flight whatever M. An SPMD program can only
-do that with its own backward, so here the whole model runs as one
+GPipe (Huang et al., 2019) runs every forward, then every backward, so every
+stage keeps what all M microbatches' forwards keep. 1F1B (Narayanan et al.,
+2021, "PipeDream-Flush") starts each microbatch's backward as soon as its
+forward has left the last stage, so a stage keeps a bounded number of
+microbatches in flight whatever M. An SPMD program can only interleave the two
+with its own backward, so here the whole model runs as one
 ``custom_vjp``. At each tick, each stage runs the work its schedule's tables
 give it (``sharding.schedules``: ``Schedule.forward``, ``backward``; item
 i = r M + k is microbatch k through the stage's chunk r):
@@ -48,6 +48,8 @@ stage) are summed over the stages once, at the end of the step: the
 weight-sized all-reduce Megatron also makes for tied embeddings.
 
 References:
+  Huang et al., "GPipe: Efficient Training of Giant Neural Networks using
+    Pipeline Parallelism", arXiv:1811.06965, 2019.
   Narayanan et al., "Efficient Large-Scale Language Model Training on GPU
     Clusters Using Megatron-LM", arXiv:2104.04473, 2021.
   Narayanan et al., "Memory-Efficient Pipeline-Parallel DNN Training"
@@ -89,7 +91,7 @@ def run_own_backward(runner, stacks: Sequence[Stack], pieces: Pieces, axis, rest
                      tokens):
     """(loss, aux, stats) of a batch ``tokens`` [B, T+1] through the model ``pieces``
     of ``stacks`` (in model order: dense layers, then MoE ones) under the schedule of
-    ``runner`` (a ``PipelineRunner`` whose table has its own backward), manual over the
+    ``runner`` (a ``PipelineRunner``), manual over the
     stage ``axis``; the gradients of ``rest`` and ``staged`` are the schedule's own.
 
     ``aux`` is the tail's, averaged over the microbatches; ``stats`` each stack's in

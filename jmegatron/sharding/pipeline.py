@@ -1,33 +1,16 @@
-"""Pipeline stages: a layer stack split over the ``stage`` mesh axis, microbatches
-passed from stage to stage (``gpipe``, or ``circular`` with V chunks a stage).
+"""Pipeline stages: a layer stack split over the ``stage`` mesh axis, run by a
+schedule's tables (``sharding.schedules``) in one interpreter
+(``sharding.own_backward``), each stage on its own blocks.
 
 A stack stored [S, L/S, ...] with its first dim split over the mesh axes the
-rules map ``stages`` to holds stage s's layers on the devices of stage s. The
-``gpipe`` schedule (Huang et al., 2019) runs the M microbatches through the S
-stages in M + S - 1 ticks: at tick t stage s runs microbatch t - s (stage 0
-takes it from the input, the others from their left neighbour by one
-``collective-permute``), and idles (computes on zeros, which nothing reads) on
-the S - 1 ticks where it has none: the bubble, (S - 1) / (M + S - 1) of the
-step. The backward is the transpose, the same ticks in reverse, so GPipe's
-"all forward, then all backward", with each layer's remat as configured.
-
-The ``circular`` schedule (MaxText's; the interleaving of Narayanan et al.,
-2021) stores a stack [S, V c, ...] as S V chunks of c layers, chunk j on stage
-j % S (``sharding.stacks``): each microbatch goes around the stages V times,
-the last stage's output wrapping around to stage 0 by the same ring of
-permutes, where it waits for its next repeat (M >= S). V M + S - 1 ticks of c
-layers: the bubble shrinks to (S - 1) / (V M + S - 1).
-
-The embedding, the head and the loss run outside the pipeline, on every stage
-(the stage axis splits no activation): stage 0 reads the microbatches from the
-replicated input, and the last stage's outputs reach every stage by one
-all-reduce over the stage axis (its transpose is free; the input's gradient
-comes back by one all-reduce). Their weights' gradients then need no sum over
-stages. The price is the head's matmuls run S times; the loss function runs
-manual over the stages (``over_stages``), so XLA cannot split that replicated
-work over the idle stage axis. Megatron puts the embedding on the first stage
-and the head on the last, which an SPMD program can only approximate by
-masking.
+rules map ``stages`` to holds stage s's layers on the devices of stage s; with V
+chunks a stage (circular, interleaved-1f1b: MaxText's and Megatron's
+interleaving) a stack [S, V c, ...] holds S V chunks of c layers, chunk j on
+stage j % S (``sharding.stacks``), and a microbatch goes around the stages V
+times. ``PipelineRunner`` holds the schedule and runs a stage's chunk of layers
+(``run_chunk``); ``over_stages`` runs the loss function manual over the stages
+(and, where the layout sums a stage's gradients once a step, over the batch
+axes), each stage on its own blocks.
 
 References:
   Huang et al., "GPipe: Efficient Training of Giant Neural Networks using
@@ -47,19 +30,18 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from jmegatron.sharding import nested
-from jmegatron.sharding.rules import (ACT_EMBED, BATCH, SEQ, STAGES, active_mesh_and_rules,
-                                     activation_sharding, compute_dtype_of, constrain,
+from jmegatron.sharding.rules import (STAGES, active_mesh_and_rules, compute_dtype_of,
                                      gather_in, grad_dtype_of, logical_axes_of, mesh_axes_of,
-                                     scatter_to_owners, spec_axes, sum_dtype)
+                                     scatter_to_owners, spec_axes)
 from jmegatron.sharding.runners import ScanRunner, Stack, StackRunner
 from jmegatron.sharding.schedules import Schedule, make_schedule
 from jmegatron.sharding.stacks import StackShape
 
 @dataclasses.dataclass(frozen=True)
 class PipelineRunner(StackRunner):
-    """Runs a stack [S, L/S, ...] as ``stages`` pipeline stages over ``microbatches``
-    (module docstring): ``gpipe``, or ``circular`` with ``repeats`` > 1 chunks a
-    stage; each chunk's layers by ``inner``."""
+    """A stack [S, L/S, ...] as ``stages`` pipeline stages over ``microbatches`` under
+    ``schedule`` (module docstring), ``repeats`` chunks a stage; each chunk's layers
+    by ``inner``. The model runs under it with its loss (``train.make_loss_fn``)."""
 
     stages: int = 2
     microbatches: int = 2
@@ -85,25 +67,12 @@ class PipelineRunner(StackRunner):
                              stacks)
 
     def __call__(self, stack: Stack, x: jax.Array) -> tuple[jax.Array, dict]:
-        if self.table.own_backward:
-            raise ValueError(f"the {self.schedule} schedule runs the model with its loss, not "
-                             "a stack alone: build the loss with train.make_loss_fn")
-        axis = self.check(stack)
-        if axis is None:   # one device: the stages in turn
-            return ScanRunner()(stack, x)
-        m = self.microbatches
-        b = x.shape[0] // m
-        # Microbatch k takes rows k, k + M, ...: each device's rows split evenly.
-        xm = constrain(x.reshape(b, m, *x.shape[1:]).swapaxes(0, 1),
-                       (None, BATCH, SEQ, ACT_EMBED))
-        _, rules = active_mesh_and_rules()
-        with activation_sharding(jax.sharding.get_abstract_mesh(), rules):
-            y, stats = self._ticks(stack, xm, [leaf[0] for leaf in stack.leaves], axis)
-        return y.swapaxes(0, 1).reshape(x.shape), self.in_model_order(stats, stack, axis)
+        raise ValueError("a pipeline runs the model with its loss, not a stack alone: "
+                         "build the loss with train.make_loss_fn")
 
     def check(self, stack: Stack):
-        """The stage axes this stage runs ``stack`` manual over (None: no mesh, one
-        device); ValueError where ``stack`` or the context does not fit the pipeline."""
+        """The stage axes this stage runs ``stack`` manual over; ValueError where
+        ``stack`` or the context does not fit the pipeline."""
         if stack.shape.repeats != self.repeats:
             raise ValueError(f"a pipeline of {self.repeats} chunks a stage got a stack of "
                              f"{stack.shape.repeats}: build the model with "
@@ -114,7 +83,8 @@ class PipelineRunner(StackRunner):
                              f"kind of layer in one run (GPTConfig: moe.every=1)")
         active = active_mesh_and_rules()
         if active is None:
-            return None
+            raise ValueError("a pipeline runs on a mesh: build the loss with "
+                             "train.make_loss_fn")
         axis = tuple(mesh_axes_of(STAGES, active[1]))
         if not set(axis) <= set(jax.sharding.get_abstract_mesh().manual_axes):
             raise ValueError("a pipeline runs inside a map manual over the stages, each stage "
@@ -162,54 +132,6 @@ class PipelineRunner(StackRunner):
         return {k: in_layer_order(v).mean(axis=1) if k in stack.summed
                 else jax.tree.map(lambda a: in_batch_order(in_layer_order(a)), v)
                 for k, v in stats.items()}
-
-    def _ticks(self, stack: Stack, xm, blocks, axis):
-        """One stage's side of the schedule (manual over ``axis``: ``over_stages``):
-        (the last stage's outputs [M, b, ...] on every stage, this stage's stats
-        [1, V, M, c, b, ...]).
-
-        At each tick a stage runs the work item its table gives (``Schedule.forward``):
-        item i = r M + k is microbatch k's pass through this stage's chunk r (its
-        repeat). Circular (V > 1): what the last stage sent on at the last tick wraps
-        around to stage 0, which keeps it until its next repeat (M >= S ticks later)."""
-        table = self.table
-        m, s_count, v = self.microbatches, self.stages, self.repeats
-        stage = jax.lax.axis_index(axis)
-        forward = jnp.asarray(table.forward)
-        pairs = [(i, (i + 1) % s_count) for i in range(s_count if v > 1 else s_count - 1)]
-        run_chunk = lambda x, r: self.run_chunk(stack, blocks, x, r)
-
-        # Varying from here: the input's gradient is summed over the stages once, not
-        # at every tick (as the outputs are, in ``wide``).
-        dtype, wide = xm.dtype, sum_dtype(xm.dtype)
-        xm = varying(xm.astype(wide))
-        _, stats_shape = jax.eval_shape(run_chunk, xm[0].astype(dtype), 0)
-        outs = jnp.zeros_like(xm)
-        stats = jax.tree.map(lambda a: varying(jnp.zeros((v * m, *a.shape), a.dtype)),
-                             stats_shape)
-
-        def tick(carry, t):
-            received, around, outs, stats = carry
-            item = forward[t, stage]
-            valid = item >= 0
-            item = jnp.maximum(item, 0)
-            repeat, k = item // m, item % m
-            fresh = at(xm, k)
-            if v > 1:   # stage 0 keeps the item the last stage ran a tick ago for its repeat
-                sent = forward[jnp.maximum(t - 1, 0), s_count - 1]
-                around = keep(around, received, (stage == 0) & (t >= 1) & (sent >= 0)
-                              & (sent < (v - 1) * m), jnp.maximum(sent, 0) % m)
-                fresh = jnp.where(repeat == 0, fresh, at(around, k))
-            y, st = run_chunk(jnp.where(stage == 0, fresh, received).astype(dtype), repeat)
-            outs = keep(outs, y, valid & (repeat == v - 1), k)
-            stats = jax.tree.map(lambda buf, new: keep(buf, new, valid, item), stats, st)
-            return (jax.lax.ppermute(y, axis, pairs), around, outs, stats), None
-
-        start = (jnp.zeros_like(xm[0], dtype), jnp.zeros_like(xm) if v > 1 else None, outs,
-                 stats)
-        (_, _, outs, stats), _ = jax.lax.scan(tick, start, jnp.arange(table.ticks))
-        last = jax.lax.psum(jnp.where(stage == s_count - 1, outs, 0), axis).astype(dtype)
-        return last, jax.tree.map(lambda a: a.reshape(v, m, *a.shape[1:])[None], stats)
 
 
 def over_stages(fn, mesh: jax.sharding.Mesh, rules, batch_axes: tuple[str, ...] = (),

@@ -2,15 +2,16 @@
 
 A schedule is a ``Schedule``: for every (tick, stage), the work item whose
 forward the stage runs (item i = r M + k: microbatch k through the stage's
-chunk r, its repeat) and, for a schedule that runs its own backward, the item
-whose backward it runs; -1 where the stage idles. The pipeline's tick loops
-read their work from these tables (``sharding.pipeline``,
-``sharding.own_backward``), and the tick count, the bubble and the buffers a
-stage keeps are counted on them, not derived from a schedule's name.
+chunk r, its repeat) and the item whose backward it runs; -1 where the stage
+idles. One interpreter runs every table (``sharding.own_backward``), and the
+tick count, the bubble and the buffers a stage keeps are counted on them, not
+derived from a schedule's name.
 
-  gpipe     forward of item t - s at tick t on stage s, M + S - 1 ticks; JAX
-            differentiates the ticks (the backward runs them in reverse).
-  circular  the same over V M items (V chunks a stage): V M + S - 1 ticks.
+  gpipe     all forwards, then all backwards: the forward of item t - s at tick t
+            on stage s, the backwards from the last stage back once it has run
+            its last forward; every microbatch in flight; 2(M + S) - 3 ticks.
+  circular  the same over V M items (V chunks a stage, the last stage's outputs
+            wrapping around to stage 0), the backwards last chunk first.
   1f1b      a forward and a backward a tick: each microbatch's backward starts
             as soon as its forward has left the last stage; at most 2(S - s) - 1
             microbatches in flight on stage s; M + 2S - 2 ticks.
@@ -19,13 +20,15 @@ stage keeps are counted on them, not derived from a schedule's name.
             then chunk 1, ...; backwards in the reverse chunk order; at most
             2(S - s - 1) + (V - 1) S + 1 chunk inputs in flight on stage s.
 
-The schedules with their own backward are simulated tick by tick from each
-stage's order of work (``_simulated``): a stage runs its next forward once its
-input has arrived, and its next backward once its input gradient has, so a
-table holds only work whose inputs exist (``Schedule.buffers`` checks it).
+The tables are simulated tick by tick from each stage's order of work
+(``_simulated``): a stage runs its next forward once its input has arrived, and
+its next backward once its input gradient has, so a table holds only work whose
+inputs exist (``Schedule.buffers`` checks it).
 A new schedule is a builder in ``SCHEDULES`` returning its tables.
 
 References:
+  Huang et al., "GPipe: Efficient Training of Giant Neural Networks using
+    Pipeline Parallelism", arXiv:1811.06965, 2019.
   Narayanan et al., "Efficient Large-Scale Language Model Training on GPU
     Clusters Using Megatron-LM", arXiv:2104.04473, 2021 (1F1B and its
     interleaved form).
@@ -68,27 +71,21 @@ class Schedule:
     stages: int
     microbatches: int
     repeats: int
-    forward: np.ndarray                  # [ticks, S] work item r M + k, or -1
-    backward: np.ndarray | None = None   # [ticks, S] work item, or -1; None: JAX's
+    forward: np.ndarray    # [ticks, S] work item r M + k, or -1
+    backward: np.ndarray   # [ticks, S] work item, or -1
 
     @property
     def ticks(self) -> int:
-        """The ticks of the schedule's loop (each way, where JAX runs the backward)."""
+        """The ticks of the schedule's loops."""
         return self.forward.shape[0]
-
-    @property
-    def own_backward(self) -> bool:
-        """Whether the schedule runs its backward itself, beside the forwards."""
-        return self.backward is not None
 
     @functools.cached_property
     def phases(self) -> tuple[tuple[int, int, bool, bool], ...]:
         """The runs of ticks doing the same kinds of work: (first tick, end, whether
         some stage runs a forward, whether some stage runs a backward). A tick runs
-        only the work its phase has (a schedule with its own backward: 1f1b's first
-        S - 1 ticks only forwards, its last S - 1 only backwards)."""
-        kinds = [(bool((self.forward[t] >= 0).any()),
-                  self.backward is not None and bool((self.backward[t] >= 0).any()))
+        only the work its phase has (1f1b's first S - 1 ticks only forwards, its last
+        S - 1 only backwards; gpipe's forwards, then backwards)."""
+        kinds = [(bool((self.forward[t] >= 0).any()), bool((self.backward[t] >= 0).any()))
                  for t in range(self.ticks)]
         out, start = [], 0
         for kind, run in itertools.groupby(kinds):
@@ -99,26 +96,18 @@ class Schedule:
 
     @property
     def bubble(self) -> float:
-        """The idle share of the stages' work slots: a forward slot per tick (where JAX
-        runs the backward, its slots mirror these), and, in a schedule with its own
-        backward, a forward and a backward slot per tick of the phases that run them
-        (a forward and a backward counted alike)."""
-        if self.backward is None:
-            return float((self.forward < 0).mean())
+        """The idle share of the stages' work slots: a forward and a backward slot per
+        tick of the phases that run them (a forward and a backward counted alike)."""
         slots = sum((end - start) * (f + b) for start, end, f, b in self.phases) * self.stages
         work = (self.forward >= 0).sum() + (self.backward >= 0).sum()
         return float(1 - work / slots)
 
     @functools.cached_property
     def buffers(self) -> Buffers:
-        """The ``Buffers`` of an own-backward schedule; ValueError where a table runs
-        work before its input exists. Slots are taken lowest-free-first, and a slot
-        is free again the tick after its holder's backward."""
-        shape = self.forward.shape
-        tables = [np.full(shape, -1) for _ in range(5)]
-        if self.backward is None:
-            return Buffers(*tables[:3], 0, *tables[3:], 0)
-        arrive, fwd, bwd, g_arrive, g_bwd = tables
+        """The ``Buffers`` of the tables; ValueError where a table runs work before its
+        input exists. Slots are taken lowest-free-first, and a slot is free again the
+        tick after its holder's backward."""
+        arrive, fwd, bwd, g_arrive, g_bwd = (np.full(self.forward.shape, -1) for _ in range(5))
         inputs_used = grads_used = 0
         for s in range(self.stages):
             inputs, grads = self._intervals(s)
@@ -195,30 +184,21 @@ def _colour(spans: dict) -> tuple[dict, int]:
 class ScheduleKind(NamedTuple):
     """A registered schedule: its builder and its bubble as the startup line prints it."""
 
-    build: Callable[[int, int, int], tuple[np.ndarray, np.ndarray | None]]
+    build: Callable[[int, int, int], tuple[np.ndarray, np.ndarray]]
     formula: str
     chunked: bool = False   # runs V >= 2 chunks a stage (the others: one)
     groups: bool = False    # takes the microbatches in groups of S (M a multiple of S)
 
 
-def _diagonal(ticks: int, stages: int, items: int) -> np.ndarray:
-    """[ticks, S]: item t - s where that is in [0, items), else -1."""
-    t, s = np.meshgrid(np.arange(ticks), np.arange(stages), indexing="ij")
-    item = t - s
-    return np.where((item >= 0) & (item < items), item, -1)
-
-
-def _gpipe(s: int, m: int, v: int):
-    return _diagonal(v * m + s - 1, s, v * m), None
-
-
-def _simulated(stages: int, m: int, v: int, forward_order, backward_order, in_flight):
+def _simulated(stages: int, m: int, v: int, forward_order, backward_order, in_flight,
+               flush: bool = False):
     """(forward, backward) tables of stages that each run their forwards in
     ``forward_order`` and their backwards in ``backward_order`` (lists of items),
     each tick the next forward whose input has arrived (a tick after its sender ran
     it) while fewer than ``in_flight(stage)`` of its items await their backward, then
     the next backward whose gradient has arrived (the last chunk on the last stage:
-    once its forward has run, that tick or before)."""
+    once its forward has run, that tick or before); with ``flush``, a stage's first
+    backward waits for its last forward."""
     items = v * m
     done = {(d, s): {} for d in "fb" for s in range(stages)}   # item -> its tick
     sent = lambda kind, src, t: done[kind, src[0]].get(src[1], t) < t   # by tick t - 1
@@ -236,7 +216,7 @@ def _simulated(stages: int, m: int, v: int, forward_order, backward_order, in_fl
                 i = forward_order[len(fwd)]
                 if source(i) is None or sent("f", source(i), t):   # embedded, or arrived
                     fwd[i], row[0, s] = t, i
-            if len(bwd) < items:
+            if len(bwd) < items and not (flush and len(fwd) < items):
                 j = backward_order[len(bwd)]
                 src = source(j, backward=True)
                 if (fwd.get(j, t + 1) <= t) if src is None else sent("b", src, t):
@@ -244,6 +224,14 @@ def _simulated(stages: int, m: int, v: int, forward_order, backward_order, in_fl
         rows.append(row)
     table = np.stack(rows)
     return table[:, 0], table[:, 1]
+
+
+def _flushed(s: int, m: int, v: int):
+    """GPipe (v = 1) and circular: every stage runs its forwards in order (a
+    microbatch's chunks V ticks of M apart), then its backwards, last chunk first."""
+    items = range(v * m)
+    return _simulated(s, m, v, list(items), sorted(items, key=lambda i: (-(i // m), i % m)),
+                      lambda stage: v * m, flush=True)
 
 
 def _one_f_one_b(s: int, m: int, v: int):
@@ -257,8 +245,8 @@ def _one_f_one_b(s: int, m: int, v: int):
 
 
 SCHEDULES: dict[str, ScheduleKind] = {
-    "gpipe": ScheduleKind(_gpipe, "(S-1)/(M+S-1)"),
-    "circular": ScheduleKind(_gpipe, "(S-1)/(V M+S-1)", chunked=True),
+    "gpipe": ScheduleKind(_flushed, "(S-1)/(M+S-1)"),
+    "circular": ScheduleKind(_flushed, "(S-1)/(V M+S-1)", chunked=True),
     "1f1b": ScheduleKind(_one_f_one_b, "(S-1)/(M+S-1)"),
     "interleaved-1f1b": ScheduleKind(_one_f_one_b, "(S-1)/(V M+S-1)", chunked=True,
                                      groups=True),
@@ -292,14 +280,11 @@ def repeats_refusal(name: str, repeats: int) -> str | None:
 def make_schedule(name: str, stages: int, microbatches: int, repeats: int = 1,
                   stacks: int = 1) -> Schedule:
     """The tables of schedule ``name``; ValueError where it cannot run these sizes
-    (``schedule_refusal``). A schedule with its own backward runs a model of several
-    ``stacks`` (dense layers, then MoE ones) as one pipeline: each stack's V chunks a
-    stage are chunks of the table, stack after stack (``Schedule.repeats`` counts them
-    all); a schedule JAX differentiates runs each stack as a pipeline of its own."""
+    (``schedule_refusal``). A model of several ``stacks`` (dense layers, then MoE
+    ones) runs as one pipeline: each stack's V chunks a stage are chunks of the
+    table, stack after stack (``Schedule.repeats`` counts them all)."""
     reason = schedule_refusal(name, stages, microbatches, repeats)
     if reason:
         raise ValueError(reason)
     forward, backward = SCHEDULES[name].build(stages, microbatches, repeats * stacks)
-    if backward is None and stacks > 1:
-        raise ValueError(f"the {name} schedule runs each stack as a pipeline of its own")
     return Schedule(name, stages, microbatches, repeats * stacks, forward, backward)

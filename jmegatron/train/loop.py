@@ -321,17 +321,15 @@ class Run:
             stacks = [(n, kind) for n, kind in ((cfg.dense_layers, "dense"),
                                                 (cfg.n_layers - cfg.dense_layers, "MoE")) if n]
             v, name = t.cfg.pipeline.repeats, t.cfg.pipeline.schedule
-            # A schedule with its own backward runs the stacks as one pipeline.
-            own = make_schedule(name, stages, micro, v).own_backward
-            table = make_schedule(name, stages, micro, v, len(stacks) if own else 1)
+            table = make_schedule(name, stages, micro, v, len(stacks))
             per_stage = (f"{-(-cfg.n_layers // stages)} layers" if len(stacks) == 1 else
                          " + ".join(f"{-(-n // stages)} {kind}" for n, kind in stacks)
-                         + (" layers (one pipeline)" if own else " layers (a pipeline per stack)"))
+                         + " layers (one pipeline)")
             schedule = f"{name} in {v} chunks a stage" if v > 1 else name
             bubble = (SCHEDULES[name].formula if table.repeats == v else
                       f"counted on its {table.repeats} chunks a stage")
             t.log(f"pipeline: {stages} stages of {per_stage}, {schedule} over {micro} "
-                  f"microbatches: {table.ticks} ticks{'' if own else ' per pass'}, bubble "
+                  f"microbatches: {table.ticks} ticks, bubble "
                   f"{bubble} = {table.bubble:.1%}")
         warmup = t.cfg.schedule.warmup_steps
         if warmup > t.cfg.steps:

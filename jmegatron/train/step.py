@@ -49,8 +49,7 @@ def make_loss_fn(graphdef: nnx.GraphDef, model_cfg: GPTConfig, mesh: jax.shardin
     # on every batch rank for the step (gathered once where the layout splits them).
     batch_axes = layout.pipeline_batch_axes(model_cfg, mesh.shape)
     rules = without_axes(layout.rules, batch_axes)
-    loss_on = (own_backward_loss if runner.table.own_backward else plain_loss)(
-        graphdef, model_cfg, runner, rules, z_loss)
+    loss_on = own_backward_loss(graphdef, model_cfg, runner, rules, z_loss)
     return over_stages(loss_on, mesh, rules, batch_axes,
                        functools.partial(same_on_every_rank, axes=batch_axes), layout.param_spec,
                        layout.pipeline_gradient_spec)
@@ -86,8 +85,8 @@ def same_on_every_rank(out, axes: tuple[str, ...]):
 
 def own_backward_loss(graphdef: nnx.GraphDef, cfg: GPTConfig, runner, rules: Rules,
                       z_loss: float):
-    """``loss_on(mesh, params, tokens)`` of make_loss_fn under a schedule with its own
-    backward (1f1b): the model cut into its embedding, this stage's chunks of layers
+    """``loss_on(mesh, params, tokens)`` of make_loss_fn under a pipeline schedule
+    (``runner``): the model cut into its embedding, this stage's chunks of layers
     (of each stack in model order: dense layers, then MoE ones, as one pipeline) and
     its head with the loss, run and differentiated by ``sharding.own_backward``."""
     kinds = [moe for moe, _ in itertools.groupby(cfg.moe_layers)]   # one stack each
