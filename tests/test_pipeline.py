@@ -492,6 +492,30 @@ def test_the_schedules_run_their_ticks_and_only_activations_cross_stages(schedul
                                          2 * (m + 2 - 1), m)
 
 
+def test_an_undifferentiated_loss_runs_the_forward_ticks_only():
+    """The eval step's loss (the pipeline's loss not differentiated) runs only the ticks
+    with forwards, sending only activations on (V M + S - 1 sends, XLA dropping the last
+    one, which nothing receives, where it unrolls a one-tick phase: no gradients come
+    back), and equals the loss and aux the train step's differentiated pass computes;
+    gpipe's dense and MoE stacks, two chunks a stage."""
+    train, model = TRAIN, MOE_MODEL
+    mesh = make_mesh(MeshConfig(stage=2, data=2, fsdp=2))
+    layout = helpers.layout_of(mesh, "fsdp", train)
+    programs = build_programs(dataclasses.replace(train, microbatches=4),
+                              dataclasses.replace(model, **layout.stack_fields), mesh, layout)
+    params, tokens = programs.init().params, jax.device_put(batches()[0])
+    loss, aux = jax.jit(programs.loss_fn)(params, tokens)
+    (want, want_aux), _ = jax.jit(jax.value_and_grad(programs.loss_fn, has_aux=True))(
+        params, tokens)
+    chex.assert_trees_all_close((loss, aux), (want, want_aux), rtol=1e-6)
+    report = hlo_collectives(jax.jit(programs.loss_fn), params, tokens)
+    stacks = len([kind for kind, _ in itertools.groupby(model.moe_layers)])
+    v = make_schedule(train.pipeline.schedule, 2, 4, train.pipeline.repeats, stacks).repeats
+    permutes = report.select("collective-permute", ("stage",))
+    assert v * 4 + 2 - 2 <= sum(c.executions for c in permutes) <= v * 4 + 2 - 1, \
+        report.table()
+
+
 # Layerwise at stage 2 x data 2 x fsdp 2 with 8 layers: each stage's 4 layers are shared
 # out one per data x fsdp rank, so their gradients can be reduce-scattered onto the owners.
 DEEP = dataclasses.replace(MODEL, n_layers=8)
@@ -504,11 +528,13 @@ def batch_sums():
     """{(layout, schedule, M): the train step's sums over data and fsdp (all-reduces and
     reduce-scatters, their bytes per device and executions), and at M = 4 the params
     after three steps} at stage 2 x data 2 x fsdp 2, M microbatches of 4 rows, for
-    each layout's model of SUMMED_ONCE; {layout: that model's params on one device}."""
+    each layout's model of SUMMED_ONCE; {layout: that model's params on one device}.
+    Every schedule is a table of one interpreter, and the sums run at the transposes
+    of ``over_stages``' gathers and casts, outside its ticks: gpipe's flushed table
+    and 1f1b's interleaved one stand for the others."""
     mesh = make_mesh(MeshConfig(stage=2, data=2, fsdp=2))
     out = {}
-    for layout, train, m in itertools.product(SUMMED_ONCE, (TRAIN, CIRCULAR, ONE_F_ONE_B),
-                                              (4, 8)):
+    for layout, train, m in itertools.product(SUMMED_ONCE, (TRAIN, ONE_F_ONE_B), (4, 8)):
         _, _, state, step = setup(mesh, layout, SUMMED_ONCE[layout], train, m)
         tokens = jax.random.randint(jax.random.key(m), (4 * m, T + 1), 0, MODEL.vocab_size)
         report = hlo_collectives(step, state, jax.device_put(tokens))
@@ -526,7 +552,7 @@ def moved(collectives) -> float:
 
 
 @pytest.mark.parametrize("layout", list(SUMMED_ONCE))
-@pytest.mark.parametrize("schedule", ["gpipe", "circular", "1f1b"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_gradients_are_summed_over_the_batch_once_a_step(layout, schedule, batch_sums,
                                                          reference):
     """Where a stage's weights are whole on every batch rank for the step (layerwise;
@@ -546,7 +572,7 @@ def test_gradients_are_summed_over_the_batch_once_a_step(layout, schedule, batch
                                 atol=1e-6)
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "circular", "1f1b"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_layerwise_stages_reduce_scatter_their_gradients_to_the_owners(schedule, batch_sums):
     """Layerwise's stage weights reach their owners by one reduce-scatter
     (Layerwise.pipeline_gradient_spec), not an all-reduce: the all-reduces over the
@@ -560,18 +586,17 @@ def test_layerwise_stages_reduce_scatter_their_gradients_to_the_owners(schedule,
     assert scattered > 0 and reduced <= 2 * 3 / 4 * outside * 1.01, (reduced, scattered, outside)
 
 
-@pytest.mark.parametrize("train, model", [(TRAIN, MOE_MODEL), (ONE_F_ONE_B, MOE_ONLY)],
-                         ids=["gpipe", "1f1b"])
-def test_moe_stages_sum_their_gradients_once_a_step(train, model):
+def test_moe_stages_sum_their_gradients_once_a_step():
     """MoE layers inside a stage manual over the batch axes sum their routing
     statistics over the batch ranks themselves, once a tick (a few dozen bytes); the
     weights' gradients are summed once a step: the batch-axis bytes do not grow with
-    M (before: 1.67x from M = 4 to 8 under gpipe). (Equal to one device: the MoE
-    equality tests at stage 4 x data 2, gpipe, circular and 1f1b, run so.)"""
+    M (before: 1.67x from M = 4 to 8 under gpipe). A dense and an MoE stack under
+    gpipe, one pipeline: the interpreter's path for every schedule. (Equal to one
+    device: the MoE equality tests at stage 4 x data 2, every schedule, run so.)"""
     mesh = make_mesh(MeshConfig(stage=2, data=2, fsdp=2))
     sums = {}
     for m in (4, 8):
-        _, _, state, step = setup(mesh, "layerwise", model, train, m)
+        _, _, state, step = setup(mesh, "layerwise", MOE_MODEL, TRAIN, m)
         tokens = jax.random.randint(jax.random.key(m), (4 * m, T + 1), 0, MODEL.vocab_size)
         sums[m] = [c for c in hlo_collectives(step, state, jax.device_put(tokens)).collectives
                    if c.kind in ("all-reduce", "reduce-scatter") and c.axes

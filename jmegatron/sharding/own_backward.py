@@ -98,11 +98,11 @@ def run_own_backward(runner, stacks: Sequence[Stack], pieces: Pieces, axis, rest
     model order (``PipelineRunner.in_model_order``), on every stage."""
 
     @jax.custom_vjp
-    def run(rest, staged, tokens):
-        return _interpret(runner, stacks, pieces, axis, rest, staged, tokens)[0]
+    def run(rest, staged, tokens):   # not differentiated (eval): the forwards only
+        return _interpret(runner, stacks, pieces, axis, rest, staged, tokens, train=False)
 
     def forward(rest, staged, tokens):   # (out, residuals: the gradients)
-        return _interpret(runner, stacks, pieces, axis, rest, staged, tokens)
+        return _interpret(runner, stacks, pieces, axis, rest, staged, tokens, train=True)
 
     def backward(grads, cotangents):   # only the loss is differentiable
         scale = cotangents[0]
@@ -112,8 +112,11 @@ def run_own_backward(runner, stacks: Sequence[Stack], pieces: Pieces, axis, rest
     return run(rest, staged, tokens)
 
 
-def _interpret(runner, stacks: Sequence[Stack], pieces: Pieces, axis, rest, staged, tokens):
-    """((loss, aux, stats), (d rest, d staged)): the ticks of the module docstring."""
+def _interpret(runner, stacks: Sequence[Stack], pieces: Pieces, axis, rest, staged, tokens,
+               train: bool):
+    """((loss, aux, stats), (d rest, d staged)): the ticks of the module docstring; not
+    ``train``: (loss, aux, stats) of the forward ticks alone, the loss taken at each
+    microbatch's last forward, nothing kept for a backward."""
     table = runner.table_for(len(stacks))
     m, s_count, v = runner.microbatches, runner.stages, table.repeats   # v: all chunks
     stage = jax.lax.axis_index(axis)
@@ -151,7 +154,7 @@ def _interpret(runner, stacks: Sequence[Stack], pieces: Pieces, axis, rest, stag
     item = lambda t, kind: (work[kind][t, stage] >= 0, *divmod(jnp.maximum(
         work[kind][t, stage], 0), m))   # (whether there is one, its chunk, microbatch)
     stash = Stash.of(lambda x, r: linearize(x, r)[1],
-                     lambda: (embedded(), item(0, "forward")[1]), staged)
+                     lambda: (embedded(), item(0, "forward")[1]), staged) if train else None
 
     def forward(t, inputs, kept, stats):
         """Item i's forward, its input and what its backward needs kept: (inputs, kept,
@@ -160,10 +163,21 @@ def _interpret(runner, stacks: Sequence[Stack], pieces: Pieces, axis, rest, stag
         slot = work["forward_slot"][t, stage]
         x = jnp.where(first & (r == 0), front(rest, at(micro, k)), at(inputs, slot))
         inputs = keep(inputs, x, ok, slot)   # a first chunk's input is kept from here
-        (y, st), pull = linearize(x, r)
-        kept = [keep(buf, new, ok, slot) for buf, new in zip(kept, [y, *stash.keep(pull)])]
+        if train:
+            (y, st), pull = linearize(x, r)
+            kept = [keep(buf, new, ok, slot) for buf, new in zip(kept, [y, *stash.keep(pull)])]
+        else:
+            y, st = chunk(staged, x, r)
         stats = jax.tree.map(lambda buf, new: keep(buf, new, ok, r * m + k), stats, st)
         return inputs, kept, stats, y
+
+    def evaluated(t, y):
+        """The loss and aux of the microbatch whose last forward gave ``y``; zeros
+        where this tick ran none."""
+        ok, r, k = item(t, "forward")
+        ends = last & (r == v - 1) & ok
+        loss_k, aux_k = pieces.tail(rest, staged, y, at(micro, k))
+        return jnp.where(ends, loss_k, 0), masked(aux_k, ends)
 
     def backward(t, inputs, kept, grads_in, y):
         """Item j's backward from what its forward kept (read after this tick's forward output
@@ -201,6 +215,9 @@ def _interpret(runner, stacks: Sequence[Stack], pieces: Pieces, axis, rest, stag
         y = None
         if has_forward:
             inputs, kept, stats, y = forward(t, inputs, kept, stats)
+        if has_forward and not train:
+            loss_k, aux_k = evaluated(t, y)
+            loss, aux = loss + loss_k, add(aux, aux_k)
         if has_backward:
             dx, loss_k, aux_k, d = backward(t, inputs, kept, grads_in, y)
             loss, aux, grads = loss + loss_k, add(aux, aux_k), add(grads, d)
@@ -210,23 +227,23 @@ def _interpret(runner, stacks: Sequence[Stack], pieces: Pieces, axis, rest, stag
         if has_forward:
             inputs = arrive(inputs, "arrive", jax.lax.ppermute(y, axis, ring(1)), t)
         inputs = constrain(inputs, (None, BATCH, SEQ, ACT_EMBED))
-        grads_in = constrain(grads_in, (None, BATCH, SEQ, ACT_EMBED))
+        grads_in = grads_in if grads_in is None else constrain(grads_in,
+                                                               (None, BATCH, SEQ, ACT_EMBED))
         return (inputs, kept, grads_in, stats, loss, aux, grads), None
 
     carry = (slots(buffers.inputs),   # then the chunks' outputs and stashes, as they
              [varying(jnp.zeros((buffers.inputs, *a.shape), a.dtype))   # the inputs' slots
-              for a in [x_shape, *stash.shapes]],
-             slots(max(buffers.grads, 1)),
+              for a in [x_shape, *stash.shapes]] if train else [],
+             slots(max(buffers.grads, 1)) if train else None,
              jax.tree.map(lambda a: varying(jnp.zeros((v * m, *a.shape), a.dtype)),
                           stats_shape),
              varying(jnp.zeros((), jnp.float32)), zeros(aux_shape),
-             (zeros(rest), zeros(staged)))
+             (zeros(rest), zeros(staged)) if train else None)
     for start, end, has_forward, has_backward in table.phases:
-        carry, _ = jax.lax.scan(functools.partial(tick, has_forward, has_backward), carry,
-                                jnp.arange(start, end))
-    _, _, _, stats, loss, aux, (d_rest, d_staged) = carry
-    # Embedding and head gradients from the first and last stage: summed once.
-    d_rest = jax.lax.psum(d_rest, axis)
+        if has_forward or train:
+            carry, _ = jax.lax.scan(functools.partial(tick, has_forward, has_backward and train),
+                                    carry, jnp.arange(start, end))
+    _, _, _, stats, loss, aux, grads = carry
     # Items c M + k, stack after stack: stack i's [1, V, M, ...] in model order.
     stats = [runner.in_model_order(jax.tree.map(
         lambda a: a.reshape(len(stacks), runner.repeats, m, *a.shape[1:])[i][None], stats[i]),
@@ -234,7 +251,11 @@ def _interpret(runner, stacks: Sequence[Stack], pieces: Pieces, axis, rest, stag
     loss = jax.lax.psum(loss, axis) / m + sum(pieces.stats_loss(
         {k: a for k, a in st.items() if k in stack.summed}) for st, stack in zip(stats, stacks))
     aux = jax.tree.map(lambda a: jax.lax.psum(a, axis) / m, aux)
-    return (loss, aux, stats), (d_rest, d_staged)
+    if not train:
+        return loss, aux, stats
+    # Embedding and head gradients from the first and last stage: summed once.
+    d_rest, d_staged = grads
+    return (loss, aux, stats), (jax.lax.psum(d_rest, axis), d_staged)
 
 
 class Stash(NamedTuple):

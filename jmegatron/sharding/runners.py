@@ -16,7 +16,8 @@ how their gradients come back:
                   the owners (``rules.run_gathered``, ``rules.run_constrained``,
                   or ``sharding.prefetch`` with the gather one group ahead).
   PipelineRunner  a stack [S, L/S, ...] over pipeline stages, each stage's
-                  layers by the layout's runner (``sharding.pipeline``).
+                  layers by the layout's runner (``sharding.pipeline``); the
+                  model runs under it with its loss (``sharding.own_backward``).
 
 The layout makes its runner (``Layout.runner``), and the loss function hands
 it to the model with the mesh and rules (``running`` beside

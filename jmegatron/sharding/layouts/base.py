@@ -55,7 +55,7 @@ class Layout:
     owner_sizes: tuple[int, ...] = ()   # their sizes
     assignment: str = "round_robin"     # which owner gets which matrix (layerwise)
     stages: int = 1                     # pipeline stages (the mesh axes ``stages`` maps to)
-    repeats: int = 1                    # chunks per stage of a circular pipeline
+    repeats: int = 1                    # chunks per stage (circular, interleaved-1f1b)
     schedule: str = "gpipe"             # the pipeline's (sharding.schedules.SCHEDULES)
 
     @classmethod
