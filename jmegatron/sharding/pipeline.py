@@ -54,12 +54,7 @@ class PipelineRunner(StackRunner):
             raise ValueError(f"{self.microbatches} microbatches for {self.stages} pipeline "
                              f"stages: every stage would idle; use --microbatches "
                              f">= {self.stages}")
-        self.table   # an unknown schedule, or repeats it does not take, refused here
-
-    @property
-    def table(self) -> Schedule:
-        """The schedule's tables (``sharding.schedules``) for one stack."""
-        return self.table_for(1)
+        self.table_for(1)   # an unknown schedule, or repeats it does not take, refused here
 
     def table_for(self, stacks: int) -> Schedule:
         """The schedule's tables for a model of ``stacks`` stacks (``make_schedule``)."""
