@@ -72,11 +72,20 @@ def test_commands_the_suite_does_not_run_say_why(page):
     check(docs_check.unlisted_scripts(page))
 
 
+@pytest.fixture(scope="module")
+def programs():
+    """The docs' training runs' programs, shared by every page's (the README, training.md
+    and benchmarks.md show the default run, and parallelism.md and benchmarks.md the
+    MoE preset's)."""
+    return {}
+
+
 @by_name
-def test_training_commands_run(page, tmp_path, monkeypatch):
-    """Runs that differ only in steps, names and folders share their programs."""
+def test_training_commands_run(page, tmp_path, monkeypatch, programs):
+    """Runs that differ only in steps, names and folders share their programs, across
+    the pages too."""
     monkeypatch.chdir(tmp_path)
-    with sharing_programs():
+    with sharing_programs(programs):
         check(docs_check.run_commands(page, cli_runs.main))
 
 

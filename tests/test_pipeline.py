@@ -74,6 +74,15 @@ def three_steps(mesh_config, layout_name="fsdp", model=MODEL, train=TRAIN, micro
     return state.params if keep else ungroup(state.params)
 
 
+# Every schedule is a table of one interpreter (the tables have tests of their own): the
+# equality cases by default cover each schedule on both meshes or both kinds of model, each
+# layout, each kind of model (dense, padded, MoE only, dense and MoE in one pipeline) with
+# one and with two chunks a stage, and remat; a case whose (model, mesh, layout) another
+# default case runs under a schedule of the same chunks a stage is opt-in (8-50 s each on
+# 2 cores; the suite runs at most 20 minutes): `pytest -m slow tests/test_pipeline.py`.
+PAIRWISE = pytest.mark.slow
+
+
 @pytest.fixture(scope="module")
 def reference():
     return three_steps(MeshConfig(fsdp=1), devices=1, microbatches=1)
@@ -82,10 +91,10 @@ def reference():
 @pytest.mark.parametrize("mesh_config, layout, remat", [
     (MeshConfig(stage=2, fsdp=2, tensor=2), "fsdp", "full"),
     (MeshConfig(stage=4, data=2, fsdp=1), "replicated", "none"),
-    (MeshConfig(stage=4, data=2, fsdp=1), "layerwise", "dots"),
-    (MeshConfig(stage=4, data=2, fsdp=1), "owner", "none"),
-    (MeshConfig(stage=2, fsdp=2, tensor=2), "owner", "none"),
-    (MeshConfig(stage=2, fsdp=2, tensor=2), "layerwise", "none"),
+    pytest.param(MeshConfig(stage=4, data=2, fsdp=1), "layerwise", "dots", marks=PAIRWISE),
+    pytest.param(MeshConfig(stage=4, data=2, fsdp=1), "owner", "none", marks=PAIRWISE),
+    pytest.param(MeshConfig(stage=2, fsdp=2, tensor=2), "owner", "none", marks=PAIRWISE),
+    pytest.param(MeshConfig(stage=2, fsdp=2, tensor=2), "layerwise", "none", marks=PAIRWISE),
 ], ids=["stage2_fsdp2_tensor2_remat", "stage4_data2_replicated", "stage4_data2_layerwise_remat",
         "stage4_data2_owner", "stage2_fsdp2_tensor2_owner", "stage2_fsdp2_tensor2_layerwise"])
 def test_three_steps_equal_one_device(mesh_config, layout, remat, reference):
@@ -174,17 +183,6 @@ MOE_MODEL = dataclasses.replace(MODEL, n_layers=6, moe=MoEConfig(
     n_experts=4, top_k=2, d_ff=16, first_dense=1, bias_rate=0.01))
 
 
-# Cases whose every pair of (model, mesh, layout) another case of the same schedule
-# runs by default are opt-in (6-25 s each on 2 cores): MoE x owner x 4 stages (MoE with
-# owner on 2 stages x tensor 2, MoE on 4 stages under layerwise, owner on 4 stages
-# with dense layers), and, for circular and 1f1b, padded dense layers under layerwise
-# on 4 stages (the padded MoE stacks on 4 stages under layerwise, dense layers under
-# layerwise on 2 stages, dense layers on 4 stages under owner). Every schedule is now a
-# table of one interpreter (the tables have tests of their own), so a case whose
-# (model, mesh, layout, remat) another schedule's default case runs is opt-in too:
-# gpipe's MoE on 2 stages x tensor 2 under owner and under layerwise with remat (circular
-# runs both), circular's MoE stacks on 4 stages under layerwise (interleaved-1f1b).
-PAIRWISE = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
@@ -326,14 +324,16 @@ def moe_ten_reference():
 
 
 @pytest.mark.parametrize("mesh_config, layout, model, want", [
-    (MeshConfig(stage=2, fsdp=2, tensor=2), "owner", PADDED, "padded_reference"),
-    (MeshConfig(stage=2, fsdp=2, tensor=2), "layerwise", MODEL, "reference"),
+    pytest.param(MeshConfig(stage=2, fsdp=2, tensor=2), "owner", PADDED, "padded_reference",
+                 marks=PAIRWISE),
+    pytest.param(MeshConfig(stage=2, fsdp=2, tensor=2), "layerwise", MODEL, "reference",
+                 marks=PAIRWISE),
     pytest.param(MeshConfig(stage=4, data=2, fsdp=1), "layerwise", NINE,
                  "nine_layer_reference", marks=PAIRWISE),
     (MeshConfig(stage=4, data=2, fsdp=1), "owner", NINE, "nine_layer_reference"),
     (MeshConfig(stage=2, fsdp=2, tensor=2), "owner", MOE_MODEL, "moe_reference"),
-    (MeshConfig(stage=2, fsdp=2, tensor=2), "layerwise",
-     dataclasses.replace(MOE_MODEL, remat="full"), "moe_reference"),
+    pytest.param(MeshConfig(stage=2, fsdp=2, tensor=2), "layerwise",
+                 dataclasses.replace(MOE_MODEL, remat="full"), "moe_reference", marks=PAIRWISE),
     pytest.param(MeshConfig(stage=4, data=2, fsdp=1), "owner", MOE_TEN, "moe_ten_reference",
                  marks=PAIRWISE),
     pytest.param(MeshConfig(stage=4, data=2, fsdp=1), "layerwise", MOE_TEN, "moe_ten_reference",
@@ -379,12 +379,14 @@ def moe_only_reference():
     (MeshConfig(stage=4, data=2, fsdp=1), "owner", MODEL, "reference"),
     pytest.param(MeshConfig(stage=4, data=2, fsdp=1), "layerwise", PADDED, "padded_reference",
                  marks=PAIRWISE),
-    (MeshConfig(stage=2, fsdp=2, tensor=2), "owner", MOE_ONLY, "moe_only_reference"),
+    pytest.param(MeshConfig(stage=2, fsdp=2, tensor=2), "owner", MOE_ONLY, "moe_only_reference",
+                 marks=PAIRWISE),
     (MeshConfig(stage=2, fsdp=2, tensor=2), "layerwise",
      dataclasses.replace(MOE_ONLY, remat="full"), "moe_only_reference"),
     pytest.param(MeshConfig(stage=4, data=2, fsdp=1), "owner", MOE_ONLY, "moe_only_reference",
                  marks=PAIRWISE),
-    (MeshConfig(stage=4, data=2, fsdp=1), "layerwise", MOE_ONLY, "moe_only_reference"),
+    pytest.param(MeshConfig(stage=4, data=2, fsdp=1), "layerwise", MOE_ONLY,
+                 "moe_only_reference", marks=PAIRWISE),
     (MeshConfig(stage=2, fsdp=2, tensor=2), "layerwise", MOE_MODEL, "moe_reference"),
     (MeshConfig(stage=4, data=2, fsdp=1), "owner", MOE_MODEL, "moe_reference"),
 ], ids=["stage2_fsdp2_tensor2_owner_padded", "stage2_fsdp2_tensor2_layerwise",
@@ -412,7 +414,8 @@ INTERLEAVED = dataclasses.replace(TRAIN, pipeline=PipelineConfig("interleaved-1f
     (MeshConfig(stage=2, fsdp=2, tensor=2), "layerwise", MODEL, "reference"),
     (MeshConfig(stage=4, data=2, fsdp=1), "owner", NINE, "nine_layer_reference"),
     (MeshConfig(stage=2, fsdp=2, tensor=2), "owner", MOE_ONLY, "moe_only_reference"),
-    (MeshConfig(stage=4, data=2, fsdp=1), "layerwise", MOE_TEN, "moe_ten_reference"),
+    pytest.param(MeshConfig(stage=4, data=2, fsdp=1), "layerwise", MOE_TEN, "moe_ten_reference",
+                 marks=PAIRWISE),
 ], ids=["stage2_fsdp2_tensor2_layerwise", "stage4_data2_owner_padded",
         "moe_stage2_fsdp2_tensor2_owner_padded", "dense_and_moe_stage4_data2_layerwise_padded"])
 def test_interleaved_1f1b_three_steps_equal_one_device(mesh_config, layout, model, want,
@@ -530,24 +533,24 @@ SUMMED_ONCE = {"layerwise": DEEP, "fsdp": dataclasses.replace(MODEL, keep_gather
 
 @pytest.fixture(scope="module")
 def batch_sums():
-    """{(layout, schedule, M): the train step's sums over data and fsdp (all-reduces and
+    """{(layout, M): 1f1b's train step's sums over data and fsdp (all-reduces and
     reduce-scatters, their bytes per device and executions), and at M = 4 the params
     after three steps} at stage 2 x data 2 x fsdp 2, M microbatches of 4 rows, for
     each layout's model of SUMMED_ONCE; {layout: that model's params on one device}.
     Every schedule is a table of one interpreter, and the sums run at the transposes
-    of ``over_stages``' gathers and casts, outside its ticks: gpipe's flushed table
-    and 1f1b's interleaved one stand for the others."""
+    of ``over_stages``' gathers and casts, outside its ticks: 1f1b's table stands for
+    the others (the MoE test below runs gpipe's)."""
     mesh = make_mesh(MeshConfig(stage=2, data=2, fsdp=2))
     out = {}
-    for layout, train, m in itertools.product(SUMMED_ONCE, (TRAIN, ONE_F_ONE_B), (4, 8)):
-        _, _, state, step = setup(mesh, layout, SUMMED_ONCE[layout], train, m)
+    for layout, m in itertools.product(SUMMED_ONCE, (4, 8)):
+        _, _, state, step = setup(mesh, layout, SUMMED_ONCE[layout], ONE_F_ONE_B, m)
         tokens = jax.random.randint(jax.random.key(m), (4 * m, T + 1), 0, MODEL.vocab_size)
         report = hlo_collectives(step, state, jax.device_put(tokens))
         sums = [c for c in report.collectives if c.kind in ("all-reduce", "reduce-scatter")
                 and c.axes and set(c.axes) <= {"data", "fsdp"}]
         for tokens in batches() if m == 4 else ():   # B = 16: the reference's batches
             state, _ = step(state, tokens)
-        out[layout, train.pipeline.schedule, m] = (sums, ungroup(state.params) if m == 4 else None)
+        out[layout, m] = (sums, ungroup(state.params) if m == 4 else None)
     deep = three_steps(MeshConfig(fsdp=1), model=DEEP, devices=1, microbatches=1)
     return out, {"layerwise": deep}
 
@@ -557,9 +560,7 @@ def moved(collectives) -> float:
 
 
 @pytest.mark.parametrize("layout", list(SUMMED_ONCE))
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
-def test_gradients_are_summed_over_the_batch_once_a_step(layout, schedule, batch_sums,
-                                                         reference):
+def test_gradients_are_summed_over_the_batch_once_a_step(layout, batch_sums, reference):
     """Where a stage's weights are whole on every batch rank for the step (layerwise;
     fsdp and owner with keep_gathered: gathered once), it runs manual over the batch
     axes and sums its weights' gradients over them once, after the last microbatch
@@ -570,20 +571,19 @@ def test_gradients_are_summed_over_the_batch_once_a_step(layout, schedule, batch
     fsdp and owner without keep_gathered still do, 1.7x); three steps still equal
     one device's."""
     runs, references = batch_sums
-    (m4, params), (m8, _) = (runs[layout, schedule, m] for m in (4, 8))
+    (m4, params), (m8, _) = (runs[layout, m] for m in (4, 8))
     assert moved(m8) <= 1.1 * moved(m4), runs
     assert max(c.executions for c in m4 + m8) == 1, runs
     chex.assert_trees_all_close(params, references.get(layout, reference), rtol=1e-5,
                                 atol=1e-6)
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
-def test_layerwise_stages_reduce_scatter_their_gradients_to_the_owners(schedule, batch_sums):
+def test_layerwise_stages_reduce_scatter_their_gradients_to_the_owners(batch_sums):
     """Layerwise's stage weights reach their owners by one reduce-scatter
     (Layerwise.pipeline_gradient_spec), not an all-reduce: the all-reduces over the
     batch axes carry only the params outside the stages (embedding, head, final norm),
     whose state is replicated."""
-    sums, params = batch_sums[0]["layerwise", schedule, 4]
+    sums, params = batch_sums[0]["layerwise", 4]
     outside = sum(a.size * a.dtype.itemsize for key in params if key != "blocks"
                   for a in jax.tree.leaves(params[key]))
     reduced = moved([c for c in sums if c.kind == "all-reduce"])

@@ -111,12 +111,13 @@ _SHARED: contextvars.ContextVar[dict | None] = contextvars.ContextVar(
 
 
 @contextlib.contextmanager
-def sharing_programs():
+def sharing_programs(shared: dict | None = None):
     """Within this context, Trainers whose settings differ only in ``UNCOMPILED`` ones
     share their programs, each compiled once (a process that runs many commands: the
-    docs' commands in the tests). Off by default: a program built under a patched
-    function (a test's) must not serve a later run."""
-    token = _SHARED.set({})
+    docs' commands in the tests), and keep them in ``shared`` (a new dict by default;
+    pass one again to share with a later context). Off by default: a program built
+    under a patched function (a test's) must not serve a later run."""
+    token = _SHARED.set({} if shared is None else shared)
     try:
         yield
     finally:
