@@ -100,7 +100,7 @@ def rope(x: jax.Array, positions: jax.Array, theta: float, scaling: tuple = ()) 
     return out.astype(x.dtype)
 
 
-_MASKED = -0.7 * float(jnp.finfo(jnp.float32).max)   # a logit softmax gives no weight
+MASKED_LOGIT = -0.7 * float(jnp.finfo(jnp.float32).max)   # a logit softmax gives no weight
 
 
 def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -118,7 +118,7 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> tuple[jax.Arra
     k, v = (jnp.repeat(a, n // a.shape[2], axis=2) for a in (k, v))        # [B, T, N, H]
     logits = jnp.einsum("btnh,bsnh->bnts", q, k,
                         preferred_element_type=jnp.float32) * h ** -0.5      # [B, N, T, T]
-    logits = jnp.where(jnp.tril(jnp.ones((t, t), bool)), logits, _MASKED)
+    logits = jnp.where(jnp.tril(jnp.ones((t, t), bool)), logits, MASKED_LOGIT)
     # The same row maxima as the softmax's own (XLA computes them once).
     peak = jax.lax.stop_gradient(logits.max(axis=-1).max(axis=-1))          # [B, N]
     weights = jax.nn.softmax(logits, axis=-1)

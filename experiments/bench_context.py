@@ -1,0 +1,116 @@
+"""Attention over a sequence split across a context axis: per-device memory and time of
+the `ring` and `all_gather` strategies against one device, and the causal balance of
+the two orders: `python -m experiments.bench_context [--small]`.
+
+For each sequence length T and context size C, the forward + backward of one attention
+call (B 1, N 8 query and K 4 key/value heads of 64: the bench preset's widths) is
+compiled on C devices (``jmegatron.models.context``, the sequence dealt zigzag), and
+XLA's temporaries per device are read off the compiled program (nothing is allocated,
+so long sequences compile here too); up to ``--time-up-to`` tokens it also runs. C = 1
+is the model's own ``causal_attention`` on one device. The balance table counts the
+(query chunk, key chunk) pairs each rank's ring computes: its share of the FLOPs.
+On the CPU machine the C devices share 2 cores: times compare strategies, not C.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from experiments.bench_common import argv, best_time, print_table, write_results
+from jmegatron.models.context import CONTEXT_ATTENTION, ORDERS, pairs_computed
+from jmegatron.models.layers import causal_attention
+
+B, N, K, H = 1, 8, 4, 64
+
+
+def program(strategy: str | None, size: int):
+    """(jitted forward + backward of the summed output, its mesh or None)."""
+    def summed(attention):
+        def loss(q, k, v):
+            y, peak = attention(q, k, v)
+            return y.astype(jnp.float32).sum(), peak
+        return jax.jit(jax.value_and_grad(loss, (0, 1, 2), has_aux=True))
+
+    if strategy is None:
+        return summed(causal_attention), None
+    mesh = Mesh(np.array(jax.devices()[:size]), ("context",))
+    return summed(jax.shard_map(
+        functools.partial(CONTEXT_ATTENTION[strategy], axis="context", order="zigzag"),
+        mesh=mesh, in_specs=(P(None, "context"),) * 3,
+        out_specs=(P(None, "context"), P()))), mesh
+
+
+def inputs(t: int, mesh):
+    keys = jax.random.split(jax.random.key(0), 3)
+    arrays = [jax.random.normal(key, (B, t, n, H)) for key, n in zip(keys, (N, K, K))]
+    if mesh is None:
+        return arrays
+    return [jax.device_put(a, NamedSharding(mesh, P(None, "context"))) for a in arrays]
+
+
+def memory_rows(lengths, sizes, time_up_to: int, repeats: int) -> list[dict]:
+    rows = []
+    for t in lengths:
+        one = None
+        for size in sizes:
+            for strategy in ([None] if size == 1 else list(CONTEXT_ATTENTION)):
+                fn, mesh = program(strategy, size)
+                args = inputs(t, mesh) if t <= time_up_to else [
+                    jax.ShapeDtypeStruct((B, t, n, H), jnp.float32,
+                                         sharding=mesh and NamedSharding(mesh, P(None, "context")))
+                    for n in (N, K, K)]
+                mb = fn.lower(*args).compile().memory_analysis().temp_size_in_bytes / 2**20
+                one = one or mb
+                ms = best_time(lambda: fn(*args), repeats) * 1e3 if t <= time_up_to else None
+                rows.append({"T": t, "C": size, "strategy": strategy or "one device",
+                             "mb": mb, "vs_one": mb / one, "ms": ms})
+    return rows
+
+
+def balance_rows(sizes) -> list[dict]:
+    rows = []
+    for size in sizes:
+        for order in ORDERS:
+            work = pairs_computed(size, order)
+            rows.append({"C": size, "order": order, "slowest": int(work.max()),
+                         "mean": float(work.mean()), "ratio": work.max() / work.mean()})
+    return rows
+
+
+def main(args_list: list[str] | None = None) -> list[dict]:
+    cli = argparse.ArgumentParser(description=__doc__,
+                                  formatter_class=argparse.RawDescriptionHelpFormatter)
+    cli.add_argument("--lengths", default="4096,16384,65536")
+    cli.add_argument("--sizes", default="1,2,4,8")
+    cli.add_argument("--time-up-to", type=int, default=4096,
+                     help="run (not only compile) sequences up to this length")
+    cli.add_argument("--repeats", type=int, default=3)
+    cli.add_argument("--small", action="store_true", help="T 256 and 512, C 1 and 2")
+    cli.add_argument("--out", help="JSON path (default bench_results/bench_context.json)")
+    args = cli.parse_args(args_list)
+    jax.config.update("jax_num_cpu_devices", 8)   # the CPU machine's context ranks
+    lengths, sizes = (("256,512", "1,2") if args.small else (args.lengths, args.sizes))
+    lengths, sizes = ([int(a) for a in text.split(",")] for text in (lengths, sizes))
+    memory = memory_rows(lengths, sizes, args.time_up_to, 2 if args.small else args.repeats)
+    print_table(memory, [("T", "T", "d"), ("C", "C", "d"), ("strategy", "strategy", "s"),
+                         ("mb", "temporaries MB/device", ".1f"), ("vs_one", "vs one device",
+                                                                  ".3f"),
+                         ("ms", "fwd+bwd ms", ".1f")])
+    balance = balance_rows([s for s in sizes if s > 1] or [2])
+    print_table(balance, [("C", "C", "d"), ("order", "order", "s"),
+                          ("slowest", "slowest rank's pairs", "d"), ("mean", "mean", ".1f"),
+                          ("ratio", "slowest / mean", ".3f")])
+    rows = [{"table": "memory", **r} for r in memory] + [{"table": "balance", **r}
+                                                          for r in balance]
+    write_results("bench_context", rows, args.out, argv() if args_list is None else args_list)
+    return rows
+
+
+if __name__ == "__main__":
+    main()

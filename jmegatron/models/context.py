@@ -1,0 +1,287 @@
+"""Causal attention over a sequence split across devices (context parallelism).
+
+The T positions of a sequence are cut into 2C chunks of T / 2C and dealt to the C
+ranks of a context axis, two chunks each (``ORDERS``):
+
+  zigzag      rank i holds chunks i and 2C - 1 - i: under the causal mask every rank
+              attends to the same number of (query, key) pairs, so none waits for the
+              others (Brandon et al., "Striped Attention", 2023, and Megatron-LM's
+              context parallelism deal the sequence so);
+  contiguous  rank i holds chunks 2i and 2i + 1, the plain split: the last rank does
+              about twice the mean's work, the first almost none.
+
+A rank's queries attend to every rank's keys by one of two strategies
+(``CONTEXT_ATTENTION``), each called inside a map manual over the context axis on
+the rank's q [B, 2c, N, H] and k, v [B, 2c, K, H] (its two chunks, in order), and
+returning its attention output and the largest logit of each example and query head
+over the whole sequence, [B, N] (``layers.causal_attention``'s pair):
+
+  all_gather  gather K and V over the axis and attend with the mask of the true
+              positions: simplest, but every rank holds the whole K and V (MaxText's
+              default); autodiff's reduce-scatter returns their gradients;
+  ring        pass K and V around the ring with ``ppermute``, C - 1 times, combining
+              each block into the output by the online softmax (a running row
+              maximum and sum; Milakov and Gimelshein, 2018), so no rank holds
+              more than its own and one arriving block (Liu et al., "Ring Attention",
+              2023). Each (query chunk, key chunk) pair is computed only where the
+              causal mask leaves something to compute (``_relation``). The backward
+              is its own (``custom_vjp``): the blocks go around the ring again with
+              their key and value gradients, which arrive home after one more step;
+              only q, k, v, the output and each row's log-sum-exp are kept.
+
+References:
+  Liu, Zaharia and Abbeel, "Ring Attention with Blockwise Transformers for
+    Near-Infinite Context", arXiv:2310.01889, 2023.
+  Brandon et al., "Striped Attention: Faster Ring Attention for Causal
+    Transformers", arXiv:2311.09431, 2023.
+  Milakov and Gimelshein, "Online normalizer calculation for softmax",
+    arXiv:1805.02867, 2018.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jmegatron.models.layers import MASKED_LOGIT
+from jmegatron.sharding import nested
+
+ORDERS = ("zigzag", "contiguous")
+SKIP, FULL, DIAGONAL = 0, 1, 2   # what a (query chunk, key chunk) pair computes
+
+
+def chunks_of(rank, size: int, order: str):
+    """The two chunk indices (of 2 ``size``) that ``rank`` holds under ``order``
+    (``rank`` may be traced)."""
+    if order == "zigzag":
+        return rank, 2 * size - 1 - rank
+    if order == "contiguous":
+        return 2 * rank, 2 * rank + 1
+    raise ValueError(f"context order {order!r}: one of {', '.join(ORDERS)}")
+
+
+def dealt_positions(t: int, size: int, order: str) -> np.ndarray:
+    """[T] the positions of a sequence of ``t`` in the order the ``size`` ranks hold
+    them, rank after rank: ``x[:, dealt_positions(...)]`` split evenly over the
+    context axis gives each rank its chunks, and a rank's slice of it its tokens'
+    true positions (for RoPE and the mask)."""
+    if t % (2 * size):
+        raise ValueError(f"a sequence of {t} cannot be cut into 2 x {size} chunks")
+    chunk = t // (2 * size)
+    return np.concatenate([np.arange(c * chunk, (c + 1) * chunk) for rank in range(size)
+                           for c in chunks_of(rank, size, order)])
+
+
+def pairs_computed(size: int, order: str) -> np.ndarray:
+    """[C] the (query chunk, key chunk) pairs each rank's ``ring`` computes (the causal
+    mask leaves something in them), each c x c logits: its share of the attention
+    FLOPs. zigzag: 2C + 1 on every rank; contiguous: 4i + 3 on rank i."""
+    return np.array([sum(q >= k for q in chunks_of(rank, size, order)
+                         for k in range(2 * size)) for rank in range(size)])
+
+
+def _relation(q_chunk, k_chunk):
+    """What the pair computes: nothing (keys after the queries), every logit (keys
+    before), or the causal triangle (the same chunk)."""
+    return jnp.where(q_chunk > k_chunk, FULL, jnp.where(q_chunk == k_chunk, DIAGONAL, SKIP))
+
+
+def _masked_logits(q, k, relation):
+    """q k^T / sqrt(H) in fp32 [B, N, c, c] (k repeated to q's heads), the causal
+    triangle's upper part masked where ``relation`` is DIAGONAL."""
+    c, h = q.shape[1], q.shape[-1]
+    logits = jnp.einsum("btnh,bsnh->bnts", q, k, preferred_element_type=jnp.float32) * h ** -0.5
+    keep = jnp.tril(jnp.ones((c, c), bool)) | (relation != DIAGONAL)
+    return jnp.where(keep, logits, MASKED_LOGIT)
+
+
+def _repeat(a, n: int):
+    """k or v [B, c, K, H] repeated for the n query heads [B, c, n, H]."""
+    return jnp.repeat(a, n // a.shape[2], axis=2)
+
+
+def _fold(a, kv_heads: int):
+    """A gradient of repeated k or v [B, c, N, H] summed back to [B, c, K, H]."""
+    b, c, n, h = a.shape
+    return a.reshape(b, c, kv_heads, n // kv_heads, h).sum(axis=3)
+
+
+def _block(q, k, v, relation):
+    """One pair's (unnormalized output [B, c, N, H] fp32, row max [B, N, c], row sum)."""
+    def compute(q, k, v):
+        logits = _masked_logits(q, k, relation)
+        top = logits.max(axis=-1)
+        p = jnp.exp(logits - top[..., None])
+        out = jnp.einsum("bnts,bsnh->btnh", p.astype(v.dtype), v,
+                         preferred_element_type=jnp.float32)
+        return out, top, p.sum(axis=-1)
+
+    def skip(q, k, v):
+        b, c, n, h = q.shape
+        return _typed_as((jnp.zeros((b, c, n, h), jnp.float32),
+                          jnp.full((b, n, c), MASKED_LOGIT), jnp.zeros((b, n, c), jnp.float32)),
+                         q, k)
+
+    return jax.lax.cond(relation == SKIP, skip, compute, q, k, v)
+
+
+def _combine(state, block):
+    """The online softmax: two partial (output, row max, row sum) as one."""
+    (o, m, l), (o2, m2, l2) = state, block
+    top = jnp.maximum(m, m2)
+    a, b = jnp.exp(m - top), jnp.exp(m2 - top)
+    rows = lambda w: w.swapaxes(1, 2)[..., None]   # [B, N, c] -> [B, c, N, 1]
+    return o * rows(a) + o2 * rows(b), top, l * a + l2 * b
+
+
+def _halves(a):
+    c = a.shape[1] // 2
+    return a[:, :c], a[:, c:]
+
+
+def _varying(a, axis):
+    return jax.lax.pcast(a, (axis,), to="varying")
+
+
+def _typed_as(tree, *like):
+    """``tree``'s constants varying over the manual axes ``like``'s arrays vary over
+    (the branches of a ``cond`` must agree)."""
+    axes = tuple(sorted(frozenset().union(*map(nested.varying_axes, like))))
+    return jax.tree.map(lambda a: jax.lax.pcast(a, axes, to="varying") if axes else a, tree)
+
+
+def _ring_steps(axis, order):
+    """(this rank, C, the chunk indices of the keys at ring step s, the permutation
+    passing a block to the next rank)."""
+    size = jax.lax.axis_size(axis)
+    rank = jax.lax.axis_index(axis)
+    source = lambda s: chunks_of((rank - s) % size, size, order)   # keys from rank - s
+    return rank, size, source, [(i, (i + 1) % size) for i in range(size)]
+
+
+def _ring_forward(q, k, v, axis, order):
+    """(output [B, 2c, N, H], lse [B, N, 2c], peak [B, N]) of this rank's queries."""
+    rank, size, source, ring = _ring_steps(axis, order)
+    mine = chunks_of(rank, size, order)
+    n = q.shape[2]
+    qs = _halves(q)
+    b, c, _, h = qs[0].shape
+    empty = (_varying(jnp.zeros((b, c, n, h), jnp.float32), axis),
+             _varying(jnp.full((b, n, c), MASKED_LOGIT), axis),
+             _varying(jnp.zeros((b, n, c), jnp.float32), axis))
+
+    def step(states, k, v, s):
+        ks, vs = _halves(_repeat(k, n)), _halves(_repeat(v, n))
+        for a in range(2):
+            for bi in range(2):
+                block = _block(qs[a], ks[bi], vs[bi], _relation(mine[a], source(s)[bi]))
+                states[a] = _combine(states[a], block)
+        return states
+
+    def later(carry, s):
+        states, k, v = carry
+        k, v = (jax.lax.ppermute(a, axis, ring) for a in (k, v))
+        return (step(list(states), k, v, s), k, v), None
+
+    states = step([empty, empty], k, v, 0)
+    (states, _, _), _ = jax.lax.scan(later, (states, k, v), jnp.arange(1, size))
+    out = jnp.concatenate([o / l.swapaxes(1, 2)[..., None] for o, _, l in states], axis=1)
+    lse = jnp.concatenate([m + jnp.log(l) for _, m, l in states], axis=-1)
+    peak = jnp.maximum(*[m.max(axis=-1) for _, m, _ in states])
+    return out.astype(q.dtype), lse, jax.lax.pmax(peak, axis)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def ring_attention(q, k, v, axis: str, order: str):
+    """Causal attention of this rank's q [B, 2c, N, H] over the whole sequence's keys and
+    values, k, v [B, 2c, K, H] passed around the ``axis`` ring (module docstring):
+    (output [B, 2c, N, H], largest logit [B, N] over the sequence, no gradient)."""
+    out, _, peak = _ring_forward(q, k, v, axis, order)
+    return out, peak
+
+
+def _ring_fwd(q, k, v, axis, order):
+    out, lse, peak = _ring_forward(q, k, v, axis, order)
+    return (out, peak), (q, k, v, out, lse)
+
+
+def _ring_bwd(axis, order, residuals, cotangents):
+    """The blocks around the ring again, each with its key and value gradients: for a
+    pair, p = exp(logits - lse), dv += p^T dy, ds = p (dy v^T - rowsum(dy * out)),
+    dq += ds k / sqrt(H), dk += ds^T q / sqrt(H)."""
+    q, k, v, out, lse = residuals
+    dy = cotangents[0]
+    rank, size, source, ring = _ring_steps(axis, order)
+    mine = chunks_of(rank, size, order)
+    n, kv_heads, h = q.shape[2], k.shape[2], q.shape[-1]
+    qs, dys, lses = _halves(q), _halves(dy), (lse[..., :lse.shape[-1] // 2],
+                                              lse[..., lse.shape[-1] // 2:])
+    dots = jnp.einsum("btnh,btnh->bnt", dy.astype(jnp.float32), out.astype(jnp.float32))
+    ds_ = (dots[..., :dots.shape[-1] // 2], dots[..., dots.shape[-1] // 2:])
+
+    def pair(a, k_blk, v_blk, relation):   # (dq_a, dk_blk, dv_blk) of one pair, fp32
+        def compute(k_blk, v_blk):
+            p = jnp.exp(_masked_logits(qs[a], k_blk, relation) - lses[a][..., None])
+            dv = jnp.einsum("bnts,btnh->bsnh", p, dys[a].astype(jnp.float32))
+            dp = jnp.einsum("btnh,bsnh->bnts", dys[a], v_blk,
+                            preferred_element_type=jnp.float32)
+            ds = p * (dp - ds_[a][..., None]) * h ** -0.5
+            return (jnp.einsum("bnts,bsnh->btnh", ds, k_blk.astype(jnp.float32)),
+                    jnp.einsum("bnts,btnh->bsnh", ds, qs[a].astype(jnp.float32)), dv)
+
+        def skip(k_blk, v_blk):
+            zeros = jnp.zeros(k_blk.shape, jnp.float32)
+            return _typed_as((jnp.zeros(qs[a].shape, jnp.float32), zeros, zeros), qs[a], k_blk)
+
+        return jax.lax.cond(relation == SKIP, skip, compute, k_blk, v_blk)
+
+    def step(dq, k, v, s):   # (dq, dk, dv of the blocks k, v here)
+        ks, vs = _halves(_repeat(k, n)), _halves(_repeat(v, n))
+        dk, dv = [None, None], [None, None]
+        dq = list(dq)
+        for bi in range(2):
+            for a in range(2):
+                g_q, g_k, g_v = pair(a, ks[bi], vs[bi], _relation(mine[a], source(s)[bi]))
+                dq[a] = dq[a] + g_q
+                dk[bi] = g_k if dk[bi] is None else dk[bi] + g_k
+                dv[bi] = g_v if dv[bi] is None else dv[bi] + g_v
+        fold = lambda parts: _fold(jnp.concatenate(parts, axis=1), kv_heads)
+        return dq, fold(dk), fold(dv)
+
+    def later(carry, s):
+        dq, k, v, dk, dv = carry
+        k, v, dk, dv = (jax.lax.ppermute(a, axis, ring) for a in (k, v, dk, dv))
+        dq, g_k, g_v = step(dq, k, v, s)
+        return (dq, k, v, dk + g_k, dv + g_v), None
+
+    zeros = [_varying(jnp.zeros(a.shape, jnp.float32), axis) for a in qs]
+    dq, dk, dv = step(zeros, k, v, 0)
+    (dq, _, _, dk, dv), _ = jax.lax.scan(later, (dq, k, v, dk, dv), jnp.arange(1, size))
+    dk, dv = (jax.lax.ppermute(a, axis, ring) for a in (dk, dv))   # home: C steps round
+    return (jnp.concatenate(dq, axis=1).astype(q.dtype), dk.astype(k.dtype),
+            dv.astype(v.dtype))
+
+
+ring_attention.defvjp(_ring_fwd, _ring_bwd)
+
+
+def gathered_attention(q, k, v, axis: str, order: str):
+    """Causal attention of this rank's q [B, 2c, N, H] over k, v [B, 2c, K, H]
+    gathered whole over ``axis`` (module docstring), masked by the true positions:
+    (output [B, 2c, N, H], largest logit [B, N] over the sequence, no gradient)."""
+    size, rank = jax.lax.axis_size(axis), jax.lax.axis_index(axis)
+    t, n, h = q.shape[1], q.shape[2], q.shape[3]
+    k, v = (_repeat(jax.lax.all_gather(a, axis, axis=1, tiled=True), n) for a in (k, v))
+    positions = jnp.asarray(dealt_positions(t * size, size, order))
+    mine = jax.lax.dynamic_slice_in_dim(positions, rank * t, t)
+    logits = jnp.einsum("btnh,bsnh->bnts", q, k, preferred_element_type=jnp.float32) * h ** -0.5
+    logits = jnp.where(mine[:, None] >= positions[None, :], logits, MASKED_LOGIT)
+    peak = jax.lax.pmax(jax.lax.stop_gradient(logits).max(axis=(-2, -1)), axis)
+    weights = jax.nn.softmax(logits, axis=-1)
+    return jnp.einsum("bnts,bsnh->btnh", weights.astype(v.dtype), v), peak
+
+
+CONTEXT_ATTENTION = {"all_gather": gathered_attention, "ring": ring_attention}
