@@ -381,19 +381,21 @@ def moe_only_reference():
                  marks=PAIRWISE),
     pytest.param(MeshConfig(stage=2, fsdp=2, tensor=2), "owner", MOE_ONLY, "moe_only_reference",
                  marks=PAIRWISE),
-    (MeshConfig(stage=2, fsdp=2, tensor=2), "layerwise",
-     dataclasses.replace(MOE_ONLY, remat="full"), "moe_only_reference"),
+    pytest.param(MeshConfig(stage=2, fsdp=2, tensor=2), "layerwise",
+                 dataclasses.replace(MOE_ONLY, remat="full"), "moe_only_reference",
+                 marks=PAIRWISE),
     pytest.param(MeshConfig(stage=4, data=2, fsdp=1), "owner", MOE_ONLY, "moe_only_reference",
                  marks=PAIRWISE),
     pytest.param(MeshConfig(stage=4, data=2, fsdp=1), "layerwise", MOE_ONLY,
                  "moe_only_reference", marks=PAIRWISE),
-    (MeshConfig(stage=2, fsdp=2, tensor=2), "layerwise", MOE_MODEL, "moe_reference"),
+    (MeshConfig(stage=2, fsdp=2, tensor=2), "layerwise",
+     dataclasses.replace(MOE_MODEL, remat="full"), "moe_reference"),
     (MeshConfig(stage=4, data=2, fsdp=1), "owner", MOE_MODEL, "moe_reference"),
 ], ids=["stage2_fsdp2_tensor2_owner_padded", "stage2_fsdp2_tensor2_layerwise",
         "stage4_data2_owner", "stage4_data2_layerwise_padded",
         "moe_stage2_fsdp2_tensor2_owner", "moe_stage2_fsdp2_tensor2_layerwise_remat",
         "moe_stage4_data2_owner", "moe_stage4_data2_layerwise",
-        "dense_and_moe_stage2_fsdp2_tensor2_layerwise", "dense_and_moe_stage4_data2_owner"])
+        "dense_and_moe_stage2_fsdp2_tensor2_layerwise_remat", "dense_and_moe_stage4_data2_owner"])
 def test_1f1b_three_steps_equal_one_device(mesh_config, layout, model, want, request):
     """1f1b's own backward (sharding.own_backward): each stage's backward rebuilds its
     chunk's vjp from what the forward kept, the head's gradient starts each microbatch's backward, the
@@ -413,7 +415,8 @@ INTERLEAVED = dataclasses.replace(TRAIN, pipeline=PipelineConfig("interleaved-1f
 @pytest.mark.parametrize("mesh_config, layout, model, want", [
     (MeshConfig(stage=2, fsdp=2, tensor=2), "layerwise", MODEL, "reference"),
     (MeshConfig(stage=4, data=2, fsdp=1), "owner", NINE, "nine_layer_reference"),
-    (MeshConfig(stage=2, fsdp=2, tensor=2), "owner", MOE_ONLY, "moe_only_reference"),
+    pytest.param(MeshConfig(stage=2, fsdp=2, tensor=2), "owner", MOE_ONLY, "moe_only_reference",
+                 marks=PAIRWISE),
     pytest.param(MeshConfig(stage=4, data=2, fsdp=1), "layerwise", MOE_TEN, "moe_ten_reference",
                  marks=PAIRWISE),
 ], ids=["stage2_fsdp2_tensor2_layerwise", "stage4_data2_owner_padded",
