@@ -83,7 +83,7 @@ def balance_rows(sizes) -> list[dict]:
     return rows
 
 
-def main(args_list: list[str] | None = None) -> list[dict]:
+def parser() -> argparse.ArgumentParser:
     cli = argparse.ArgumentParser(description=__doc__,
                                   formatter_class=argparse.RawDescriptionHelpFormatter)
     cli.add_argument("--lengths", default="4096,16384,65536")
@@ -93,7 +93,11 @@ def main(args_list: list[str] | None = None) -> list[dict]:
     cli.add_argument("--repeats", type=int, default=3)
     cli.add_argument("--small", action="store_true", help="T 256 and 512, C 1 and 2")
     cli.add_argument("--out", help="JSON path (default bench_results/bench_context.json)")
-    args = cli.parse_args(args_list)
+    return cli
+
+
+def main(args_list: list[str] | None = None) -> list[dict]:
+    args = parser().parse_args(args_list)
     jax.config.update("jax_num_cpu_devices", 8)   # the CPU machine's context ranks
     lengths, sizes = (("256,512", "1,2") if args.small else (args.lengths, args.sizes))
     lengths, sizes = ([int(a) for a in text.split(",")] for text in (lengths, sizes))

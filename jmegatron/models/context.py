@@ -137,9 +137,9 @@ def _combine(state, block):
     return o * rows(a) + o2 * rows(b), top, l * a + l2 * b
 
 
-def _halves(a):
-    c = a.shape[1] // 2
-    return a[:, :c], a[:, c:]
+def _halves(a, axis: int = 1):
+    """A rank's two chunks of ``a`` (its rows along ``axis``)."""
+    return tuple(jnp.split(a, 2, axis=axis))
 
 
 def _varying(a, axis):
@@ -173,18 +173,18 @@ def _ring_forward(q, k, v, axis, order):
              _varying(jnp.full((b, n, c), MASKED_LOGIT), axis),
              _varying(jnp.zeros((b, n, c), jnp.float32), axis))
 
-    def step(states, k, v, s):
+    def step(states, k, v, s):   # each query chunk's state, with the key chunks here
         ks, vs = _halves(_repeat(k, n)), _halves(_repeat(v, n))
-        for a in range(2):
-            for bi in range(2):
-                block = _block(qs[a], ks[bi], vs[bi], _relation(mine[a], source(s)[bi]))
-                states[a] = _combine(states[a], block)
+        for bi in range(2):
+            states = [_combine(state, _block(q_a, ks[bi], vs[bi],
+                                             _relation(mine[a], source(s)[bi])))
+                      for a, (q_a, state) in enumerate(zip(qs, states))]
         return states
 
     def later(carry, s):
         states, k, v = carry
         k, v = (jax.lax.ppermute(a, axis, ring) for a in (k, v))
-        return (step(list(states), k, v, s), k, v), None
+        return (step(states, k, v, s), k, v), None
 
     states = step([empty, empty], k, v, 0)
     (states, _, _), _ = jax.lax.scan(later, (states, k, v), jnp.arange(1, size))
@@ -217,10 +217,9 @@ def _ring_bwd(axis, order, residuals, cotangents):
     rank, size, source, ring = _ring_steps(axis, order)
     mine = chunks_of(rank, size, order)
     n, kv_heads, h = q.shape[2], k.shape[2], q.shape[-1]
-    qs, dys, lses = _halves(q), _halves(dy), (lse[..., :lse.shape[-1] // 2],
-                                              lse[..., lse.shape[-1] // 2:])
-    dots = jnp.einsum("btnh,btnh->bnt", dy.astype(jnp.float32), out.astype(jnp.float32))
-    ds_ = (dots[..., :dots.shape[-1] // 2], dots[..., dots.shape[-1] // 2:])
+    qs, dys, lses = _halves(q), _halves(dy), _halves(lse, -1)
+    row_dots = _halves(jnp.einsum("btnh,btnh->bnt", dy.astype(jnp.float32),
+                                  out.astype(jnp.float32)), -1)   # rowsum(dy * out)
 
     def pair(a, k_blk, v_blk, relation):   # (dq_a, dk_blk, dv_blk) of one pair, fp32
         def compute(k_blk, v_blk):
@@ -228,7 +227,7 @@ def _ring_bwd(axis, order, residuals, cotangents):
             dv = jnp.einsum("bnts,btnh->bsnh", p, dys[a].astype(jnp.float32))
             dp = jnp.einsum("btnh,bsnh->bnts", dys[a], v_blk,
                             preferred_element_type=jnp.float32)
-            ds = p * (dp - ds_[a][..., None]) * h ** -0.5
+            ds = p * (dp - row_dots[a][..., None]) * h ** -0.5
             return (jnp.einsum("bnts,bsnh->btnh", ds, k_blk.astype(jnp.float32)),
                     jnp.einsum("bnts,btnh->bsnh", ds, qs[a].astype(jnp.float32)), dv)
 
@@ -240,14 +239,13 @@ def _ring_bwd(axis, order, residuals, cotangents):
 
     def step(dq, k, v, s):   # (dq, dk, dv of the blocks k, v here)
         ks, vs = _halves(_repeat(k, n)), _halves(_repeat(v, n))
-        dk, dv = [None, None], [None, None]
-        dq = list(dq)
+        dk, dv = [], []
         for bi in range(2):
-            for a in range(2):
-                g_q, g_k, g_v = pair(a, ks[bi], vs[bi], _relation(mine[a], source(s)[bi]))
-                dq[a] = dq[a] + g_q
-                dk[bi] = g_k if dk[bi] is None else dk[bi] + g_k
-                dv[bi] = g_v if dv[bi] is None else dv[bi] + g_v
+            grads = [pair(a, ks[bi], vs[bi], _relation(mine[a], source(s)[bi]))
+                     for a in range(2)]
+            dq = [d + g_q for d, (g_q, _, _) in zip(dq, grads)]
+            dk.append(sum(g_k for _, g_k, _ in grads))
+            dv.append(sum(g_v for _, _, g_v in grads))
         fold = lambda parts: _fold(jnp.concatenate(parts, axis=1), kv_heads)
         return dq, fold(dk), fold(dv)
 
