@@ -189,8 +189,6 @@ MOE_MODEL = dataclasses.replace(MODEL, n_layers=6, moe=MoEConfig(
     n_experts=4, top_k=2, d_ff=16, first_dense=1, bias_rate=0.01))
 
 
-
-
 @pytest.fixture(scope="module")
 def moe_reference():
     """One device accumulating the 4 microbatches the pipelines run: the MoE losses are
@@ -619,7 +617,7 @@ def test_moe_stages_sum_their_gradients_once_a_step(moe_gpipe):
     weights' gradients are summed once a step: the batch-axis bytes do not grow with
     M (before: 1.67x from M = 4 to 8 under gpipe). A dense and an MoE stack under
     gpipe, one pipeline: the interpreter's path for every schedule. (Equal to one
-    device: the MoE equality tests at stage 4 x data 2, every schedule, run so.)"""
+    device: gpipe's MoE equality test at stage 4 x data 2 under layerwise runs so.)"""
     sums = {}
     for m, (programs, tokens) in moe_gpipe.items():
         report = hlo_collectives(programs.train_step, programs.init(), tokens)
@@ -653,7 +651,7 @@ def test_which_stages_sum_their_gradients_once(layout, mesh_shape, model, want):
     keep_gathered keeps the stage's weights gathered for the step (without it, ZeRO-3
     reduce-scatters each microbatch's gradients), and MoE layers only where their
     experts are whole (they sum their routing statistics over the batch ranks inside
-    the layer: the MoE equality tests at stage 4 x data 2 run so, 1f1b's too)."""
+    the layer: gpipe's MoE equality test at stage 4 x data 2 runs so)."""
     shape = {"stage": 1, "data": 1, "fsdp": 1, "expert": 1, "tensor": 1, **mesh_shape}
     assert make_layout(layout, shape).pipeline_batch_axes(model, shape) == want
 
