@@ -5,8 +5,9 @@ ranks of a context axis, two chunks each (``ORDERS``):
 
   zigzag      rank i holds chunks i and 2C - 1 - i: under the causal mask every rank
               attends to the same number of (query, key) pairs, so none waits for the
-              others (Brandon et al., "Striped Attention", 2023, and Megatron-LM's
-              context parallelism deal the sequence so);
+              others (Megatron-LM's context parallelism deals the sequence so;
+              Brandon et al.'s "Striped Attention", 2023, balances it by dealing the
+              tokens round-robin instead);
   contiguous  rank i holds chunks 2i and 2i + 1, the plain split: the last rank does
               about twice the mean's work, the first almost none.
 
