@@ -15,7 +15,6 @@ On the CPU machine the C devices share 2 cores: times compare strategies, not C.
 from __future__ import annotations
 
 import argparse
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -23,7 +22,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from experiments.bench_common import argv, best_time, print_table, write_results
-from jmegatron.models.context import CONTEXT_ATTENTION, ORDERS, pairs_computed
+from jmegatron.models.context import (CONTEXT_ATTENTION, ORDERS, pairs_computed,
+                                       split_sequence_attention)
 from jmegatron.models.layers import causal_attention
 
 B, N, K, H = 1, 8, 4, 64
@@ -40,10 +40,7 @@ def program(strategy: str | None, size: int):
     if strategy is None:
         return summed(causal_attention), None
     mesh = Mesh(np.array(jax.devices()[:size]), ("context",))
-    return summed(jax.shard_map(
-        functools.partial(CONTEXT_ATTENTION[strategy], axis="context", order="zigzag"),
-        mesh=mesh, in_specs=(P(None, "context"),) * 3,
-        out_specs=(P(None, "context"), P()))), mesh
+    return summed(split_sequence_attention(strategy, mesh, "context", "zigzag")), mesh
 
 
 def inputs(t: int, mesh):

@@ -2,8 +2,6 @@
 over a context axis of C ranks, each strategy and order equal to one device's causal
 attention, gradients and largest logit included; what each strategy sends."""
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -11,7 +9,8 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jmegatron.analysis import hlo_collectives
-from jmegatron.models.context import (CONTEXT_ATTENTION, dealt_positions, pairs_computed)
+from jmegatron.models.context import (dealt_positions, pairs_computed,
+                                       split_sequence_attention)
 from jmegatron.models.layers import causal_attention
 
 B, T, N, K, H = 2, 32, 4, 2, 8   # grouped-query: 2 query heads per key/value head
@@ -38,10 +37,7 @@ def with_grads(attention):
 def mapped(strategy, size, order):
     """(``strategy`` manual over a context axis of ``size`` devices, its mesh)."""
     mesh = Mesh(np.array(jax.devices()[:size]), ("context",))
-    return jax.shard_map(functools.partial(CONTEXT_ATTENTION[strategy], axis="context",
-                                           order=order), mesh=mesh,
-                         in_specs=(P(None, "context"),) * 3,
-                         out_specs=(P(None, "context"), P())), mesh
+    return split_sequence_attention(strategy, mesh, "context", order), mesh
 
 
 def over_context(strategy, size, order):

@@ -46,6 +46,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
 from jmegatron.models.layers import MASKED_LOGIT
 from jmegatron.sharding import nested
@@ -143,10 +144,6 @@ def _halves(a, axis: int = 1):
     return tuple(jnp.split(a, 2, axis=axis))
 
 
-def _varying(a, axis):
-    return jax.lax.pcast(a, (axis,), to="varying")
-
-
 def _typed_as(tree, *like):
     """``tree``'s constants varying over the manual axes ``like``'s arrays vary over
     (the branches of a ``cond`` must agree)."""
@@ -170,9 +167,8 @@ def _ring_forward(q, k, v, axis, order):
     n = q.shape[2]
     qs = _halves(q)
     b, c, _, h = qs[0].shape
-    empty = (_varying(jnp.zeros((b, c, n, h), jnp.float32), axis),
-             _varying(jnp.full((b, n, c), MASKED_LOGIT), axis),
-             _varying(jnp.zeros((b, n, c), jnp.float32), axis))
+    empty = _typed_as((jnp.zeros((b, c, n, h), jnp.float32), jnp.full((b, n, c), MASKED_LOGIT),
+                       jnp.zeros((b, n, c), jnp.float32)), q, k)
 
     def step(states, k, v, s):   # each query chunk's state, with the key chunks here
         ks, vs = _halves(_repeat(k, n)), _halves(_repeat(v, n))
@@ -256,7 +252,7 @@ def _ring_bwd(axis, order, residuals, cotangents):
         dq, g_k, g_v = step(dq, k, v, s)
         return (dq, k, v, dk + g_k, dv + g_v), None
 
-    zeros = [_varying(jnp.zeros(a.shape, jnp.float32), axis) for a in qs]
+    zeros = [_typed_as(jnp.zeros(a.shape, jnp.float32), q, k) for a in qs]
     dq, dk, dv = step(zeros, k, v, 0)
     (dq, _, _, dk, dv), _ = jax.lax.scan(later, (dq, k, v, dk, dv), jnp.arange(1, size))
     dk, dv = (jax.lax.ppermute(a, axis, ring) for a in (dk, dv))   # home: C steps round
@@ -284,3 +280,11 @@ def gathered_attention(q, k, v, axis: str, order: str):
 
 
 CONTEXT_ATTENTION = {"all_gather": gathered_attention, "ring": ring_attention}
+
+
+def split_sequence_attention(strategy: str, mesh: jax.sharding.Mesh, axis: str, order: str):
+    """``CONTEXT_ATTENTION[strategy]`` as a function of whole q [B, T, N, H] and k, v
+    [B, T, K, H] already dealt in ``order`` (``dealt_positions``), split along T over
+    ``axis`` of ``mesh``: (output [B, T, N, H], dealt alike, largest logit [B, N])."""
+    return jax.shard_map(functools.partial(CONTEXT_ATTENTION[strategy], axis=axis, order=order),
+                         mesh=mesh, in_specs=(P(None, axis),) * 3, out_specs=(P(None, axis), P()))
