@@ -81,7 +81,7 @@ def pairs_computed(size: int, order: str) -> np.ndarray:
     """[C] the (query chunk, key chunk) pairs each rank's ``ring`` computes (the causal
     mask leaves something in them), each c x c logits: its share of the attention
     FLOPs. zigzag: 2C + 1 on every rank; contiguous: 4i + 3 on rank i."""
-    return np.array([sum(q >= k for q in chunks_of(rank, size, order)
+    return np.array([sum(int(_relation(q, k) != SKIP) for q in chunks_of(rank, size, order)
                          for k in range(2 * size)) for rank in range(size)])
 
 
