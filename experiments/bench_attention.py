@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from experiments.bench_common import argv, best_time, print_table, write_results
-from jmegatron.models.layers import causal_attention, flash_attention
+from jmegatron.models.attention import causal_attention, flash_attention
 
 # (name, B, T, N, K, H): the widths of the tiny and bench presets, and a longer sequence.
 SHAPES = [("tiny", 8, 128, 4, 2, 32), ("bench", 8, 256, 8, 4, 32),

@@ -18,13 +18,13 @@ import argparse
 
 import jax
 import jax.numpy as jnp
-import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from experiments.bench_common import argv, best_time, print_table, write_results
 from jmegatron.models.context import (CONTEXT_ATTENTION, ORDERS, pairs_computed,
                                        split_sequence_attention)
-from jmegatron.models.layers import causal_attention
+from jmegatron.models.attention import causal_attention
+from jmegatron.sharding import DEFAULT_RULES, MeshConfig, make_mesh
 
 B, N, K, H = 1, 8, 4, 64
 
@@ -39,8 +39,8 @@ def program(strategy: str | None, size: int):
 
     if strategy is None:
         return summed(causal_attention), None
-    mesh = Mesh(np.array(jax.devices()[:size]), ("context",))
-    return summed(split_sequence_attention(strategy, mesh, "context", "zigzag")), mesh
+    mesh = make_mesh(MeshConfig(context=size, fsdp=1), jax.devices()[:size])
+    return summed(split_sequence_attention(strategy, mesh, DEFAULT_RULES, "zigzag")), mesh
 
 
 def inputs(t: int, mesh):

@@ -108,6 +108,7 @@ QUICK = {
     "test_combinations.py": ["test_every_pair_trains_in_a_run_or_is_listed_with_its_refusal"],
     "test_compute_model.py": ["test_wave_efficiency_by_hand"],
     "test_context.py": ["test_attention_over_a_split_sequence_equals_one_device[ring-4-zigzag]"],
+    "test_context_parallel.py": ["test_a_split_sequence_equals_one_device[ring-zigzag-dense-tensor]"],
     "test_data.py": ["test_user_corpora"],
     "test_dion2.py": ["test_equals_the_reference_in_float64[muon_quintic]"],
     "test_docs.py": ["test_commands_parse[README.md]", "test_links_resolve[README.md]"],

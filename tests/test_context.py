@@ -6,12 +6,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jmegatron.analysis import hlo_collectives
 from jmegatron.models.context import (dealt_positions, pairs_computed,
                                        split_sequence_attention)
-from jmegatron.models.layers import causal_attention
+from jmegatron.models.attention import causal_attention
+from jmegatron.sharding import DEFAULT_RULES, MeshConfig, make_mesh
 
 B, T, N, K, H = 2, 32, 4, 2, 8   # grouped-query: 2 query heads per key/value head
 
@@ -36,8 +37,8 @@ def with_grads(attention):
 
 def mapped(strategy, size, order):
     """(``strategy`` manual over a context axis of ``size`` devices, its mesh)."""
-    mesh = Mesh(np.array(jax.devices()[:size]), ("context",))
-    return split_sequence_attention(strategy, mesh, "context", order), mesh
+    mesh = make_mesh(MeshConfig(context=size, fsdp=1), jax.devices()[:size])
+    return split_sequence_attention(strategy, mesh, DEFAULT_RULES, order), mesh
 
 
 def over_context(strategy, size, order):

@@ -9,7 +9,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jmegatron.models import GPT, GPTConfig, create_sharded, cross_entropy
-from jmegatron.models.layers import causal_attention, flash_attention
+from jmegatron.models.attention import causal_attention, flash_attention
 from jmegatron.sharding import (DEFAULT_RULES, MeshConfig, activation_sharding,
                                 logical_to_spec, make_mesh)
 

@@ -23,7 +23,8 @@ def test_bad_mesh_configs_name_the_numbers(config, n, message):
 def test_make_mesh_builds_auto_axes():
     mesh = make_mesh(MeshConfig(data=2, fsdp=2, tensor=2))
     assert mesh.axis_names == MESH_AXES
-    assert dict(mesh.shape) == {"stage": 1, "data": 2, "fsdp": 2, "expert": 1, "tensor": 2}
+    assert dict(mesh.shape) == {"stage": 1, "data": 2, "fsdp": 2, "expert": 1, "context": 1,
+                                "tensor": 2}
     assert all(t == jax.sharding.AxisType.Auto for t in mesh.axis_types)
 
 

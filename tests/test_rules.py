@@ -9,7 +9,7 @@ from jmegatron.sharding import (DATA_PARALLEL_RULES, DEFAULT_RULES, MeshConfig, 
 
 def test_logical_to_spec_maps_names():
     assert logical_to_spec(("layers", "embed", "mlp"), DEFAULT_RULES) == P(None, "fsdp", "tensor")
-    assert logical_to_spec(("batch", "seq"), DEFAULT_RULES) == P(("data", "fsdp", "expert"), None)
+    assert logical_to_spec(("batch", "seq"), DEFAULT_RULES) == P(("data", "fsdp", "expert"), "context")
     assert logical_to_spec(("embed", "mlp"), DATA_PARALLEL_RULES) == P(None, None)
 
 
@@ -77,14 +77,17 @@ def test_vocab_sharing_a_mesh_axis_with_the_batch_is_refused():
 
 def test_the_rules_declare_what_each_mesh_axis_does():
     """The batch, sequence and stage roles are the rules' mapping of those logical axes;
-    a rules table that splits the sequence adds that axis to the gradient's sum."""
+    the axes holding other tokens (what a gradient is summed over) are the batch's and
+    the sequence's."""
     roles = axis_roles(DEFAULT_RULES)
-    assert (roles.batch, roles.sequence, roles.stages) == (("data", "fsdp", "expert"), (),
-                                                           ("stage",))
-    assert roles.gradient_sum == ("data", "fsdp", "expert")
+    assert (roles.batch, roles.sequence, roles.stages) == (("data", "fsdp", "expert"),
+                                                           ("context",), ("stage",))
+    assert roles.tokens == ("data", "fsdp", "expert", "context")
     assert roles.ranks({"stage": 2, "data": 2, "fsdp": 3, "expert": 1, "tensor": 4}) == 6
     assert roles.ranks({"stage": 2, "tensor": 4}, "stages") == 2
-    assert axis_roles(DATA_PARALLEL_RULES).batch == roles.batch
+    assert roles.ranks({"context": 4, "data": 2}, "sequence") == 4
+    data_parallel = axis_roles(DATA_PARALLEL_RULES)
+    assert (data_parallel.batch, data_parallel.sequence) == (roles.batch, roles.sequence)
     split = axis_roles(with_rules(DEFAULT_RULES, seq="tensor"))
     assert split.sequence == ("tensor",)
-    assert split.gradient_sum == ("data", "fsdp", "expert", "tensor")
+    assert split.tokens == ("data", "fsdp", "expert", "tensor")

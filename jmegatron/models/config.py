@@ -7,7 +7,9 @@ import math
 from typing import Literal
 
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
-ATTENTION_PATHS = ("einsum", "flash")   # layers.ATTENTION has one function for each
+ATTENTION_PATHS = ("einsum", "flash")   # attention.ATTENTION has one function for each
+CONTEXT_STRATEGIES = ("ring", "all_gather")   # context.CONTEXT_ATTENTION: one for each
+CONTEXT_ORDERS = ("zigzag", "contiguous")     # context.chunks_of deals each
 
 
 class ConfigError(Exception):
@@ -123,7 +125,14 @@ class GPTConfig:
       attention: einsum (XLA's einsums, the [B, N, T, T] logits formed; its softmax row
         maxima give the largest logit) or flash (``jax.nn.dot_product_attention``:
         cuDNN's fused kernel on GPU, with a second blockwise pass over q k^T for the
-        largest logit; see ``layers.flash_attention``).
+        largest logit; see ``attention.flash_attention``).
+      context_attention: Where a context mesh axis splits the sequence, how a rank's
+        queries reach the other ranks' keys and values (``models.context``): ring
+        (K/V blocks passed round the axis, combined by the online softmax: no rank
+        holds the whole K/V) or all_gather (K/V gathered whole on every rank).
+      context_order: How the sequence is dealt to the context ranks in 2C chunks:
+        zigzag (rank i holds chunks i and 2C-1-i: every rank does the same causal
+        attention work) or contiguous (chunks 2i and 2i+1: the plain split).
       vocab_multiple: The embedding table is padded to a multiple of this x tensor
         (Megatron).
       padded_vocab_size: Set by `pad_vocab` from vocab_multiple and the tensor size; leave
@@ -167,6 +176,8 @@ class GPTConfig:
     grad_reduce_dtype: Literal["compute", "float32"] = "compute"
     remat: Literal["none", "full", "dots", "dots_no_batch"] = "none"
     attention: Literal["einsum", "flash"] = "einsum"
+    context_attention: Literal["ring", "all_gather"] = "ring"
+    context_order: Literal["zigzag", "contiguous"] = "zigzag"
     vocab_multiple: int = 128
     padded_vocab_size: int | None = None
     layer_group: int = 1
@@ -187,6 +198,11 @@ class GPTConfig:
                  "high_freq_factor, original context) with low < high")
         _require(self.attention in ATTENTION_PATHS,
                  f"attention={self.attention!r}; choose one of {ATTENTION_PATHS}")
+        _require(self.context_attention in CONTEXT_STRATEGIES,
+                 f"context_attention={self.context_attention!r}; choose one of "
+                 f"{CONTEXT_STRATEGIES}")
+        _require(self.context_order in CONTEXT_ORDERS,
+                 f"context_order={self.context_order!r}; choose one of {CONTEXT_ORDERS}")
         _require(self.grad_reduce_dtype in ("compute", "float32"),
                  f"grad_reduce_dtype={self.grad_reduce_dtype!r}; choose compute or float32")
         _require(self.remat in REMAT_POLICIES,

@@ -15,7 +15,7 @@ A rank's queries attend to every rank's keys by one of two strategies
 (``CONTEXT_ATTENTION``), each called inside a map manual over the context axis on
 the rank's q [B, 2c, N, H] and k, v [B, 2c, K, H] (its two chunks, in order), and
 returning its attention output and the largest logit of each example and query head
-over the whole sequence, [B, N] (``layers.causal_attention``'s pair):
+over the whole sequence, [B, N] (``attention.causal_attention``'s pair):
 
   all_gather  gather K and V over the axis and attend with the mask of the true
               positions: simplest, but every rank holds the whole K and V (MaxText's
@@ -46,12 +46,11 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import PartitionSpec as P
+from jmegatron.models.attention import ATTENTION, MASKED_LOGIT
+from jmegatron.models.config import CONTEXT_ORDERS as ORDERS, GPTConfig
+from jmegatron.sharding import nested, rules as ax
+from jmegatron.sharding.rules import Rules, active_mesh_and_rules, logical_to_spec, mesh_axes_of
 
-from jmegatron.models.layers import MASKED_LOGIT
-from jmegatron.sharding import nested
-
-ORDERS = ("zigzag", "contiguous")
 SKIP, FULL, DIAGONAL = 0, 1, 2   # what a (query chunk, key chunk) pair computes
 
 
@@ -282,9 +281,76 @@ def gathered_attention(q, k, v, axis: str, order: str):
 CONTEXT_ATTENTION = {"all_gather": gathered_attention, "ring": ring_attention}
 
 
-def split_sequence_attention(strategy: str, mesh: jax.sharding.Mesh, axis: str, order: str):
-    """``CONTEXT_ATTENTION[strategy]`` as a function of whole q [B, T, N, H] and k, v
-    [B, T, K, H] already dealt in ``order`` (``dealt_positions``), split along T over
-    ``axis`` of ``mesh``: (output [B, T, N, H], dealt alike, largest logit [B, N])."""
-    return jax.shard_map(functools.partial(CONTEXT_ATTENTION[strategy], axis=axis, order=order),
-                         mesh=mesh, in_specs=(P(None, axis),) * 3, out_specs=(P(None, axis), P()))
+def split_sequence_attention(strategy: str, mesh: jax.sharding.Mesh, rules: Rules,
+                             order: str):
+    """``CONTEXT_ATTENTION[strategy]`` as a function of q [B, T, N, H] and k, v [B, T, K,
+    H] already dealt in ``order`` (``sequence_order``) and placed as ``rules`` place
+    (batch, seq, heads): (output [B, T, N, H], dealt alike, largest logit [B, N]). A
+    map manual over every axis, each rank attending with its own rows and heads; only
+    the sequence axis (``sequence_axis``) carries the strategy's collectives."""
+    axis = sequence_axis(mesh.shape, rules)
+    if axis is None:
+        raise ValueError("no live mesh axis splits the sequence under these rules")
+    spec = lambda heads: logical_to_spec((ax.BATCH, ax.SEQ, heads, None), rules)
+    body = functools.partial(CONTEXT_ATTENTION[strategy], axis=axis, order=order)
+    return nested.shard_map(body, mesh, (spec(ax.ACT_HEADS), spec(ax.ACT_KV_HEADS),
+                                         spec(ax.ACT_KV_HEADS)),
+                            (spec(ax.ACT_HEADS), logical_to_spec((ax.BATCH, ax.ACT_HEADS), rules)))
+
+
+def sequence_axis(mesh_shape, rules: Rules) -> str | None:
+    """The mesh axis of size > 1 that splits the sequence under ``rules`` (None: every
+    rank holds whole sequences); ValueError if several do."""
+    live = [a for a in mesh_axes_of(ax.SEQ, rules) if mesh_shape.get(a, 1) > 1]
+    if len(live) > 1:
+        raise ValueError(f"the sequence is split over {live}: context parallelism takes "
+                         "one mesh axis")
+    return live[0] if live else None
+
+
+def sequence_order(t: int, mesh_shape, rules: Rules, order: str) -> np.ndarray | None:
+    """[T] the positions of a sequence of ``t`` in the order the model runs them on a
+    mesh of ``mesh_shape`` under ``rules``: dealt in ``order`` over the axis splitting
+    the sequence (``dealt_positions``); None where none does (0..T-1). The caller
+    deals its tokens and their targets by it (``deal``) and passes it to the model as
+    their positions; a loss that is a mean over tokens needs no undealing."""
+    axis = sequence_axis(mesh_shape, rules)
+    return None if axis is None else dealt_positions(t, mesh_shape[axis], order)
+
+
+def deal(x: jax.Array, order: np.ndarray | None) -> jax.Array:
+    """x [B, T, ...] in ``sequence_order``'s ``order`` (None: as it is)."""
+    return x if order is None else x[:, order]
+
+
+def attend(q: jax.Array, k: jax.Array, v: jax.Array, cfg: GPTConfig):
+    """The model's causal attention of q [B, T, N, H] over k, v [B, T, K, H] in
+    ``sequence_order``'s order: split over the sequence axis of the enclosing
+    ``rules.activation_sharding`` by ``cfg.context_attention`` (dealt in
+    ``cfg.context_order``), else whole by ``cfg.attention``. Returns (output [B, T, N,
+    H], largest logit [B, N])."""
+    active = active_mesh_and_rules()
+    axis = active and sequence_axis(active[0].shape, active[1])
+    if not axis:
+        return ATTENTION[cfg.attention](q, k, v)
+    mesh, rules = active
+    why = refusal(cfg, size=mesh.shape[axis])
+    if why:
+        raise ValueError(why)
+    return split_sequence_attention(cfg.context_attention, mesh, rules, cfg.context_order)(
+        q, k, v)
+
+
+def refusal(cfg: GPTConfig, seq_len: int | None = None, size: int = 1) -> str | None:
+    """Why ``cfg`` cannot run sequences of ``seq_len`` split over a context axis of
+    ``size`` (one line), or None."""
+    if size == 1:
+        return None
+    if cfg.attention != "einsum":
+        return (f"--model.attention {cfg.attention} cannot run a sequence split over "
+                f"--mesh.context {size}: the split attention computes its own blocks "
+                "(their row sums combine by the online softmax); use --model.attention einsum")
+    if seq_len is not None and seq_len % (2 * size):
+        return (f"--seq-len {seq_len} must be divisible by 2 x --mesh.context = {2 * size}: "
+                "the sequence is dealt to the context ranks in 2 chunks each")
+    return None

@@ -7,15 +7,17 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
+from jmegatron.models import context
 from jmegatron.models.config import GPTConfig
 from jmegatron.models.layers import Block, embed_lookup, param, rms_norm
 from jmegatron.models.moe import STATS, MoEBlock
 from jmegatron.models.products import weight_einsum
 from jmegatron.sharding import rules as ax
-from jmegatron.sharding.rules import constrain, logical_axes_of
+from jmegatron.sharding.rules import active_mesh_and_rules, constrain, logical_axes_of
 from jmegatron.sharding.runners import Stack, active_runner, default_runner
 from jmegatron.sharding.stacks import StackShape, stack_of
 
@@ -89,20 +91,34 @@ class GPT(nnx.Module):
                               cfg.dtype, cfg.weight_grad_dtype)
             zero_padding(self.head, cfg.vocab_size, axis=1)
 
-    def __call__(self, tokens: jax.Array, return_aux: bool = False):
+    def __call__(self, tokens: jax.Array, return_aux: bool = False, positions=None):
         """Logits [B, T, V_padded] in fp32 for tokens [B, T].
 
         Args:
           tokens: [B, T] token ids.
           return_aux: also return the ``Aux`` (largest attention logits, MoE stats).
+          positions: [T] the tokens' positions in their sequence: where a context axis
+            splits it, those of ``context.sequence_order``, by which the tokens were
+            dealt (``context.deal``); None: 0..T-1.
 
         Returns:
           The logits, or with ``return_aux`` (logits, ``Aux``).
         """
+        if positions is None:
+            positions = self._whole_sequence_positions(tokens.shape[1])
         x = self.embed_tokens(tokens)
-        x, aux = self._run_layers(x, jnp.arange(tokens.shape[1]))
+        x, aux = self._run_layers(x, jnp.asarray(positions))
         logits = self.logits_of(x)
         return (logits, aux) if return_aux else logits
+
+    def _whole_sequence_positions(self, t: int) -> np.ndarray:
+        """0..T-1, where no live mesh axis splits the sequence; else ValueError: the
+        caller must deal the tokens (``__call__``'s ``positions``)."""
+        active = active_mesh_and_rules()
+        if active and context.sequence_axis(active[0].shape, active[1]):
+            raise ValueError("the sequence is split over a context axis: deal the tokens by "
+                             "context.sequence_order and pass it as positions")
+        return np.arange(t)
 
     def embed_tokens(self, tokens: jax.Array) -> jax.Array:
         """The embeddings [B, T, D] (compute dtype) of tokens [B, T]: with gradients in a

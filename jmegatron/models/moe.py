@@ -47,8 +47,8 @@ from jmegatron.models import dispatch
 from jmegatron.models.config import GPTConfig, MoEConfig
 from jmegatron.models.layers import Attention, SwiGLU, param, rms_norm
 from jmegatron.sharding import nested, rules as ax
-from jmegatron.sharding.rules import (active_mesh_and_rules, constrain, logical_to_spec,
-                                     mesh_axes_of)
+from jmegatron.sharding.rules import (active_mesh_and_rules, axis_roles, constrain,
+                                     logical_to_spec, mesh_axes_of)
 from jmegatron.sharding.stacks import stack_of
 
 # Per-layer statistics: "load" [E] (share of assignments per expert), "dropped"
@@ -119,8 +119,11 @@ def moe_mlp(x: jax.Array, router: jax.Array, bias: jax.Array | None, gate_up: ja
     ep, embed = live(ax.EXPERTS), tuple(a for a in live(ax.EMBED) if a not in stacked)
     # Sums run over size-1 axes too: the specs name them, so values vary over them.
     # Inside a manual region the other axes are all of size 1 and not manual.
-    batch, tp = (manual, ()) if manual else (mesh_axes_of(ax.BATCH, rules),
-                                             mesh_axes_of(ax.MLP, rules))
+    # The routing statistics are sums over every token: over the batch's and the
+    # sequence's axes (context parallelism routes each rank's own tokens).
+    tokens, tp = (manual, ()) if manual else (axis_roles(rules).tokens,
+                                              mesh_axes_of(ax.MLP, rules))
+    batch = manual or mesh_axes_of(ax.BATCH, rules)
     if not set(ep) <= set(batch):
         raise ValueError(f"experts are split over {ep}, which must also split the batch "
                          f"(batch axes {batch}): tokens reach experts by all-to-all over them")
@@ -137,7 +140,7 @@ def moe_mlp(x: jax.Array, router: jax.Array, bias: jax.Array | None, gate_up: ja
                          cfg, ep)
         if tp:   # row-parallel down projection: sum the partial outputs once, after combining
             y = lax.psum(y, tp)
-        sums = jax.tree.map(lambda v: lax.psum(v, batch) if batch else v, sums)
+        sums = jax.tree.map(lambda v: lax.psum(v, tokens) if tokens else v, sums)
         return y.reshape(x_block.shape), _finish(sums, cfg)
 
     no_bias = jnp.zeros((0,), jnp.float32) if bias is None else bias

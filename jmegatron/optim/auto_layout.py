@@ -151,7 +151,7 @@ def _leaves(params, layout: Layout, mesh_shape: Mapping[str, int], cost: MatrixF
             routing: Routing) -> list[tuple[LeafTraffic, bool]]:
     """(leaf, is_matrix) for every trained leaf of ``params`` under ``layout``."""
     zero3 = ax.mesh_axes_of(ax.EMBED, layout.rules)   # split element-wise (or by owner)
-    batch = [a for a in ax.axis_roles(layout.rules).batch if mesh_shape.get(a, 1) > 1]
+    tokens = [a for a in ax.axis_roles(layout.rules).tokens if mesh_shape.get(a, 1) > 1]
     sizes = dict(mesh_shape)
     out = []
     for path, node in jax.tree.flatten_with_path(params, is_leaf=_is_variable)[0]:
@@ -170,7 +170,7 @@ def _leaves(params, layout: Layout, mesh_shape: Mapping[str, int], cost: MatrixF
         out.append((LeafTraffic(elements, elements / math.prod(sizes.get(a, 1) for a in spec)
                                 / (owners if masters else 1),
                                 tuple(a for a in spec if a in zero3 and sizes.get(a, 1) > 1),
-                                tuple(a for a in batch if a not in spec), sizes,
+                                tuple(a for a in tokens if a not in spec), sizes,
                                 jax.tree.leaves(node)[0].dtype.itemsize,
                                 compute.itemsize, summed.itemsize, layers, flops, owners,
                                 masters),

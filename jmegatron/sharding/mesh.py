@@ -1,4 +1,4 @@
-"""Device meshes with the five jmegatron axes: stage, data, fsdp, expert, tensor.
+"""Device meshes with the six jmegatron axes: stage, data, fsdp, expert, context, tensor.
 
 The mesh is an ordered axis -> size mapping; what each axis does is the rules'
 business (``jmegatron.sharding.rules``): which logical axes it splits.
@@ -13,7 +13,7 @@ from typing import Sequence
 import jax
 import numpy as np
 
-MESH_AXES = ("stage", "data", "fsdp", "expert", "tensor")   # outermost first
+MESH_AXES = ("stage", "data", "fsdp", "expert", "context", "tensor")   # outermost first
 # The batch is split over every axis that holds a different slice of data.
 BATCH_AXES = ("data", "fsdp", "expert")
 
@@ -28,6 +28,8 @@ class MeshConfig:
     tensor: int = 1
     stage: int = 1
     """Pipeline stages: the layer stacks split into this many contiguous parts."""
+    context: int = 1
+    """Context parallelism: each sequence split into this many parts along T."""
 
     def sizes(self) -> dict[str, int]:
         return {name: getattr(self, name) for name in MESH_AXES}

@@ -57,7 +57,7 @@ DEFAULT_RULES: Rules = (
     (EXPERTS, "expert"),
     (NORM, None),
     (BATCH, BATCH_AXES),
-    (SEQ, None),
+    (SEQ, "context"),
     (ACT_EMBED, None),
     (ACT_MLP, "tensor"),
     (ACT_HEADS, "tensor"),
@@ -65,9 +65,10 @@ DEFAULT_RULES: Rules = (
     (ACT_VOCAB, "tensor"),
 )
 
-# Plain data parallelism: every parameter replicated, only the batch split.
+# Plain data parallelism: every parameter replicated, only the tokens split (the
+# batch, and the sequence over `context`).
 DATA_PARALLEL_RULES: Rules = tuple(
-    (name, BATCH_AXES if name == BATCH else None) for name, _ in DEFAULT_RULES)
+    (name, entry if name in (BATCH, SEQ) else None) for name, entry in DEFAULT_RULES)
 
 
 def with_rules(base: Rules, **overrides: MeshAxes) -> Rules:
@@ -101,7 +102,7 @@ class AxisRoles:
 
     Attributes:
       batch: the axes that split the batch (each of their groups holds other examples).
-      sequence: the axes that split the sequence (context parallelism; none yet).
+      sequence: the axes that split the sequence (context parallelism).
       stages: the axes that hold pipeline stages.
     """
 
@@ -110,9 +111,11 @@ class AxisRoles:
     stages: tuple[str, ...]
 
     @property
-    def gradient_sum(self) -> tuple[str, ...]:
-        """The axes a weight's gradient is summed over: every axis holding other tokens."""
+    def tokens(self) -> tuple[str, ...]:
+        """The axes holding other tokens: a sum over all tokens (a weight's gradient, the
+        MoE routing statistics) runs over them."""
         return self.batch + self.sequence
+
 
     def ranks(self, mesh_shape: Mapping[str, int], role: str = "batch") -> int:
         """How many parts the axes of ``role`` cut their dimension into on ``mesh_shape``."""

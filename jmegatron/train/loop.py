@@ -79,8 +79,10 @@ class Trainer:
         self.mesh, self.optimizer, self.graphdef = built.mesh, built.optimizer, built.graphdef
         self.train_step, self.eval_step, self.sampler = (built.train_step, built.eval_step,
                                                          programs.sampler)
+        # Each window of T+1 tokens whole on its batch ranks: the loss deals its T inputs
+        # and targets over a context axis (models.context.sequence_order).
         self.batch_sharding = NamedSharding(self.mesh,
-                                            logical_to_spec((ax.BATCH, ax.SEQ), self.rules))
+                                            logical_to_spec((ax.BATCH, None), self.rules))
         self.state = built.init()
         if cfg.init_from and not (cfg.resume or cfg.resume_from):
             self.state = self.state._replace(params=self._initial_params())

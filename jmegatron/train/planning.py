@@ -14,7 +14,7 @@ from flax import nnx
 from jmegatron.data import Corpus, DataError, load_corpus
 from jmegatron.data.batches import require_window
 from jmegatron.data.tokenizer import load_tokenizer
-from jmegatron.models import GPT, GPTConfig, hf
+from jmegatron.models import GPT, GPTConfig, context, hf
 from jmegatron.sharding import MeshConfig, Rules
 from jmegatron.sharding.layouts import LAYOUT_CLASSES, Layout, make_layout, takers
 from jmegatron.train import run_folder
@@ -93,6 +93,10 @@ def plan_run(cfg: TrainConfig) -> Plan:
         raise ValueError(f"--owner-group {cfg.owner_group} applies to --layout "
                          f"{takers('owner_group')}, not {cfg.layout}")
     layout, model, choice = resolve_layout(cfg, mesh)
+    axis = context.sequence_axis(mesh.sizes(), layout.rules)
+    why = axis and context.refusal(model, cfg.seq_len, mesh.sizes()[axis])
+    if why:
+        raise ValueError(why)
     run_folder.check_out_dir(cfg.out_dir)
     name = cfg.name or time.strftime(   # process 0's clock, on every process
         "%Y%m%d-%H%M%S", time.localtime(same_on_all(int(time.time()))))

@@ -21,8 +21,9 @@ RUN_FILES = ("checkpoints", "config.json", "metrics.jsonl", "samples.txt", "summ
 OWN_FILES = RUN_FILES + ("checkpoints.damaged", "routing.txt", "loss.png", "metrics.jsonl.tmp",
                          "samples.txt.tmp", LOCK_NAME)
 # Settings that change neither the math nor the data of a step, so a resume may change them.
-FREE_MODEL_FIELDS = ("remat", "attention", "vocab_multiple", "padded_vocab_size",
-                     "layer_group", "stages", "repeats", "prefetch", "keep_gathered")
+FREE_MODEL_FIELDS = ("remat", "attention", "context_attention", "context_order",
+                     "vocab_multiple", "padded_vocab_size", "layer_group", "stages", "repeats",
+                     "prefetch", "keep_gathered")
 
 
 def check_out_dir(out_dir: str | Path, what: str = "--out-dir") -> None:

@@ -13,7 +13,8 @@ from jmegatron.data import tokenizer
 from jmegatron.models.config import GPTConfig
 from jmegatron.sharding import rules as ax
 from jmegatron.sharding.mesh import axis_size
-from jmegatron.sharding.rules import Rules, activation_sharding, logical_to_spec, mesh_axes_of
+from jmegatron.sharding.rules import (Rules, activation_sharding, axis_roles, logical_to_spec,
+                                      mesh_axes_of, without_axes)
 
 
 def make_sampler(graphdef: nnx.GraphDef, model_cfg: GPTConfig, mesh: jax.sharding.Mesh,
@@ -22,8 +23,10 @@ def make_sampler(graphdef: nnx.GraphDef, model_cfg: GPTConfig, mesh: jax.shardin
     that fills positions start..stop-1.
 
     Row 0 decodes greedily, the other rows sample from the top-k logits. Each
-    new token reruns the whole window (no KV cache: samples are short and rare).
+    new token reruns the whole window (no KV cache: samples are short and rare), on
+    each rank of a context axis whole (``whole_sequences``).
     """
+    rules = whole_sequences(rules)
     def pick(logits, key):                       # [R, V]
         logits = jnp.where(jnp.arange(logits.shape[-1]) < model_cfg.vocab_size, logits, -jnp.inf)
         kth = jax.lax.top_k(logits, top_k)[0][:, -1:]
@@ -43,10 +46,17 @@ def make_sampler(graphdef: nnx.GraphDef, model_cfg: GPTConfig, mesh: jax.shardin
     return jax.jit(sample)
 
 
+def whole_sequences(rules: Rules) -> Rules:
+    """``rules`` with the sequence split over no mesh axis: a context axis's ranks then
+    each run the sampled windows whole (they read the logits at one position)."""
+    return without_axes(rules, axis_roles(rules).sequence, (ax.SEQ,))
+
+
 def sample_texts(sampler, params, prompt: str, n_tokens: int, seq_len: int,
                  mesh: jax.sharding.Mesh, rules: Rules, seed: int,
                  tok=tokenizer.Bytes()) -> tuple[str, str]:
     """(greedy, top-k) continuations of ``prompt``, encoded and decoded by ``tok``."""
+    rules = whole_sequences(rules)
     shards = axis_size(mesh, mesh_axes_of(ax.BATCH, rules))
     rows = shards * -(-2 // shards)          # at least 2 rows, whole data shards
     # Training documents are separated by EOS, so EOS is how a document begins.

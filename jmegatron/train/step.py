@@ -12,6 +12,7 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding
 
+from jmegatron.models import context
 from jmegatron.models.config import GPTConfig
 from jmegatron.models.gpt import kept_for_backward
 from jmegatron.models.loss import cross_entropy
@@ -60,9 +61,14 @@ def plain_loss(graphdef: nnx.GraphDef, cfg: GPTConfig, runner, rules: Rules, z_l
     (JAX differentiates it), its activations pinned by ``rules`` on ``mesh``."""
 
     def loss_on(mesh, params, tokens):
+        # Where a context axis splits the sequence, inputs and targets alike are dealt.
+        order = context.sequence_order(tokens.shape[1] - 1, mesh.shape, rules,
+                                       cfg.context_order)
+        inputs, targets = (context.deal(a, order) for a in (tokens[:, :-1], tokens[:, 1:]))
         with activation_sharding(mesh, rules), running(runner):
-            logits, model_aux = nnx.merge(graphdef, params)(tokens[:, :-1], return_aux=True)
-        loss, aux = cross_entropy(logits, tokens[:, 1:], cfg.vocab_size, z_loss=z_loss,
+            logits, model_aux = nnx.merge(graphdef, params)(inputs, return_aux=True,
+                                                            positions=order)
+        loss, aux = cross_entropy(logits, targets, cfg.vocab_size, z_loss=z_loss,
                                   mesh=mesh, rules=rules)
         moe_loss, moe_metrics = moe_losses(model_aux.moe, cfg.moe)
         return loss + moe_loss, {**aux, **moe_metrics,
@@ -128,7 +134,7 @@ def split_microbatches(tokens: jax.Array, n: int, mesh: jax.sharding.Mesh,
     """
     b, t = tokens.shape
     micro = tokens.reshape(b // n, n, t).swapaxes(0, 1)
-    spec = logical_to_spec((None, ax.BATCH, ax.SEQ), rules)
+    spec = logical_to_spec((None, ax.BATCH, None), rules)   # windows whole: the loss deals them
     return jax.lax.with_sharding_constraint(micro, NamedSharding(mesh, spec))
 
 

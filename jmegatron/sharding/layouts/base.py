@@ -83,6 +83,7 @@ class Layout:
         only place a layout refuses a run: the trainer raises it, and ``--layout
         auto`` skips a candidate that has one."""
         checks = (lambda: self._stacking_refusal(model, microbatches),
+                  lambda: self._context_refusal(mesh_shape),
                   lambda: self._options_refusal(model, mesh_shape),
                   lambda: self._sharding_refusal(model, mesh_shape, batch_size, microbatches))
         # In order, each only once the earlier ones pass (the last builds the stacked model).
@@ -115,6 +116,15 @@ class Layout:
                     f"alternate with dense ones (--model.moe.every {model.moe.every}): set "
                     "--model.moe.every 1 (or --mesh.stage 1)")
         return schedule_refusal(self.schedule, self.stages, microbatches, self.repeats)
+
+    def _context_refusal(self, mesh_shape: Mapping[str, int]) -> str | None:
+        """Pipeline stages over a sequence split by a context axis: a stage's pieces
+        (``sharding.own_backward``) do not deal the sequence yet."""
+        split = live_axes(mesh_shape, axis_roles(self.rules).sequence)
+        if self.stages > 1 and split:
+            return (f"--mesh.stage {self.stages} cannot yet run a sequence split over "
+                    f"{axes_named(mesh_shape, split)}: set --mesh.stage 1 or --mesh.context 1")
+        return None
 
     def _options_refusal(self, model, mesh_shape: Mapping[str, int]) -> str | None:
         """Model options (``GPTConfig.prefetch``, ``keep_gathered``) under a layout that
