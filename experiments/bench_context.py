@@ -1,13 +1,19 @@
 """Attention over a sequence split across a context axis: per-device memory and time of
-the `ring` and `all_gather` strategies against one device, and the causal balance of
-the two orders: `python -m experiments.bench_context [--small]`.
+the `ring` and `all_gather` strategies against one device, alone and in a model's
+train step, and the causal balance of the two orders:
+`python -m experiments.bench_context [--small]`.
 
 For each sequence length T and context size C, the forward + backward of one attention
 call (B 1, N 8 query and K 4 key/value heads of 64: the bench preset's widths) is
 compiled on C devices (``jmegatron.models.context``, the sequence dealt zigzag), and
 XLA's temporaries per device are read off the compiled program (nothing is allocated,
 so long sequences compile here too); up to ``--time-up-to`` tokens it also runs. C = 1
-is the model's own ``causal_attention`` on one device. The balance table counts the
+is the model's own ``causal_attention`` on one device. The model table does the same for
+the loss and gradients of a small GPT (``MODEL``: 2 layers of those widths, batch 1)
+trained on a mesh of C context ranks (``--mesh.context C``, replicated layout):
+its temporaries per device times C over one device's say how closely its
+activations follow 1/C (1.0: exactly); up to ``--time-up-to`` it runs, and
+tokens/s is the step's. The balance table counts the
 (query chunk, key chunk) pairs each rank's ring computes: its share of the FLOPs.
 On the CPU machine the C devices share 2 cores: times compare strategies, not C.
 """
@@ -15,18 +21,24 @@ On the CPU machine the C devices share 2 cores: times compare strategies, not C.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from experiments.bench_common import argv, best_time, print_table, write_results
 from jmegatron.models.context import (CONTEXT_ATTENTION, ORDERS, pairs_computed,
                                        split_sequence_attention)
 from jmegatron.models.attention import causal_attention
+from jmegatron.models import GPT, GPTConfig, create_sharded
 from jmegatron.sharding import DEFAULT_RULES, MeshConfig, make_mesh
+from jmegatron.sharding.layouts import make_layout
+from jmegatron.train import make_loss_fn
 
 B, N, K, H = 1, 8, 4, 64
+MODEL = GPTConfig(d_model=N * H, n_layers=2, n_heads=N, n_kv_heads=K, d_ff=3 * N * H)
 
 
 def program(strategy: str | None, size: int):
@@ -70,6 +82,39 @@ def memory_rows(lengths, sizes, time_up_to: int, repeats: int) -> list[dict]:
     return rows
 
 
+def model_program(strategy: str | None, size: int):
+    """(jitted loss and gradients of ``MODEL`` on ``size`` context ranks, its params)."""
+    mesh = make_mesh(MeshConfig(context=size, fsdp=1), jax.devices()[:size])
+    layout = make_layout("replicated", mesh.shape)
+    cfg = layout.model_for(dataclasses.replace(MODEL, context_attention=strategy or "ring"),
+                           mesh.shape)
+    graphdef, params = nnx.split(create_sharded(lambda: GPT(cfg, nnx.Rngs(0)), mesh,
+                                                layout.rules))
+    return jax.jit(jax.value_and_grad(make_loss_fn(graphdef, cfg, mesh, layout),
+                                      has_aux=True)), params
+
+
+def model_rows(lengths, sizes, time_up_to: int, repeats: int) -> list[dict]:
+    rows = []
+    for t in lengths:
+        one = None
+        for size in sizes:
+            for strategy in ([None] if size == 1 else list(CONTEXT_ATTENTION)):
+                step, params = model_program(strategy, size)
+                tokens = jax.ShapeDtypeStruct((B, t + 1), jnp.int32)
+                mb = step.lower(params, tokens).compile().memory_analysis().temp_size_in_bytes
+                mb /= 2**20
+                one = one or mb
+                seconds = None
+                if t <= time_up_to:
+                    batch = jnp.zeros((B, t + 1), jnp.int32)
+                    seconds = best_time(lambda: step(params, batch), repeats)
+                rows.append({"T": t, "C": size, "strategy": strategy or "one device",
+                             "mb": mb, "times_c": mb * size / one,
+                             "tok_s": seconds and B * t / seconds})
+    return rows
+
+
 def balance_rows(sizes) -> list[dict]:
     rows = []
     for size in sizes:
@@ -103,12 +148,16 @@ def main(args_list: list[str] | None = None) -> list[dict]:
                          ("mb", "temporaries MB/device", ".1f"), ("vs_one", "vs one device",
                                                                   ".3f"),
                          ("ms", "fwd+bwd ms", ".1f")])
+    model = model_rows(lengths, sizes, args.time_up_to, 2 if args.small else args.repeats)
+    print_table(model, [("T", "T", "d"), ("C", "C", "d"), ("strategy", "strategy", "s"),
+                        ("mb", "train step temporaries MB/device", ".1f"),
+                        ("times_c", "x C / one device", ".2f"), ("tok_s", "tokens/s", ".0f")])
     balance = balance_rows([s for s in sizes if s > 1] or [2])
     print_table(balance, [("C", "C", "d"), ("order", "order", "s"),
                           ("slowest", "slowest rank's pairs", "d"), ("mean", "mean", ".1f"),
                           ("ratio", "slowest / mean", ".3f")])
-    rows = [{"table": "memory", **r} for r in memory] + [{"table": "balance", **r}
-                                                          for r in balance]
+    rows = ([{"table": "memory", **r} for r in memory] + [{"table": "model", **r} for r in model]
+            + [{"table": "balance", **r} for r in balance])
     write_results("bench_context", rows, args.out, argv() if args_list is None else args_list)
     return rows
 
