@@ -46,10 +46,13 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.ad_checkpoint import checkpoint_name
+
 from jmegatron.models.attention import ATTENTION, MASKED_LOGIT
 from jmegatron.models.config import CONTEXT_ORDERS as ORDERS, GPTConfig
 from jmegatron.sharding import nested, rules as ax
-from jmegatron.sharding.rules import Rules, active_mesh_and_rules, logical_to_spec, mesh_axes_of
+from jmegatron.sharding.rules import (EXCHANGED, Rules, active_mesh_and_rules, logical_to_spec,
+                                      mesh_axes_of)
 
 SKIP, FULL, DIAGONAL = 0, 1, 2   # what a (query chunk, key chunk) pair computes
 
@@ -268,7 +271,10 @@ def gathered_attention(q, k, v, axis: str, order: str):
     (output [B, 2c, N, H], largest logit [B, N] over the sequence, no gradient)."""
     size, rank = jax.lax.axis_size(axis), jax.lax.axis_index(axis)
     t, n, h = q.shape[1], q.shape[2], q.shape[3]
-    k, v = (_repeat(jax.lax.all_gather(a, axis, axis=1, tiled=True), n) for a in (k, v))
+    # Named EXCHANGED, as the MoE's exchanges: a layer recomputed for its backward (the
+    # owner and fsdp runners' remat) keeps them instead of gathering them again.
+    k, v = (_repeat(checkpoint_name(jax.lax.all_gather(a, axis, axis=1, tiled=True),
+                                    EXCHANGED), n) for a in (k, v))
     positions = jnp.asarray(dealt_positions(t * size, size, order))
     mine = jax.lax.dynamic_slice_in_dim(positions, rank * t, t)
     logits = jnp.einsum("btnh,bsnh->bnts", q, k, preferred_element_type=jnp.float32) * h ** -0.5

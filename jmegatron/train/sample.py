@@ -27,6 +27,7 @@ def make_sampler(graphdef: nnx.GraphDef, model_cfg: GPTConfig, mesh: jax.shardin
     each rank of a context axis whole (``whole_sequences``).
     """
     rules = whole_sequences(rules)
+
     def pick(logits, key):                       # [R, V]
         logits = jnp.where(jnp.arange(logits.shape[-1]) < model_cfg.vocab_size, logits, -jnp.inf)
         kth = jax.lax.top_k(logits, top_k)[0][:, -1:]
