@@ -12,8 +12,9 @@ ranks of a context axis, two chunks each (``ORDERS``):
               about twice the mean's work, the first almost none.
 
 A rank's queries attend to every rank's keys by one of two strategies
-(``CONTEXT_ATTENTION``), each called inside a map manual over the context axis on
-the rank's q [B, 2c, N, H] and k, v [B, 2c, K, H] (its two chunks, in order), and
+(``CONTEXT_ATTENTION``), each called inside a map manual over the mesh
+(``split_sequence_attention``) on the rank's q [B, 2c, N, H] and k, v [B, 2c, K, H]
+(its rows and heads of its two chunks, in order), and
 returning its attention output and the largest logit of each example and query head
 over the whole sequence, [B, N] (``attention.causal_attention``'s pair):
 
@@ -29,6 +30,11 @@ over the whole sequence, [B, N] (``attention.causal_attention``'s pair):
               is its own (``custom_vjp``): the blocks go around the ring again with
               their key and value gradients, which arrive home after one more step;
               only q, k, v, the output and each row's log-sum-exp are kept.
+
+In the model, the loss deals each window's tokens and targets (``sequence_order``,
+``deal``) and hands the model their positions; each attention layer calls ``attend``,
+which picks this module's path where the active rules split the sequence over a live
+axis (the mesh's ``context``), and one device's (``attention.ATTENTION``) elsewhere.
 
 References:
   Liu, Zaharia and Abbeel, "Ring Attention with Blockwise Transformers for
