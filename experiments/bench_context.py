@@ -29,16 +29,22 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from experiments.bench_common import argv, best_time, print_table, write_results
+from jmegatron.models import GPT, GPTConfig, create_sharded
+from jmegatron.models.attention import causal_attention
 from jmegatron.models.context import (CONTEXT_ATTENTION, ORDERS, pairs_computed,
                                        split_sequence_attention)
-from jmegatron.models.attention import causal_attention
-from jmegatron.models import GPT, GPTConfig, create_sharded
 from jmegatron.sharding import DEFAULT_RULES, MeshConfig, make_mesh
 from jmegatron.sharding.layouts import make_layout
 from jmegatron.train import make_loss_fn
 
 B, N, K, H = 1, 8, 4, 64
 MODEL = GPTConfig(d_model=N * H, n_layers=2, n_heads=N, n_kv_heads=K, d_ff=3 * N * H)
+
+
+def strategies(size: int) -> list[str | None]:
+    """What runs at context ``size``: one device's attention (None) at 1, else each
+    strategy."""
+    return [None] if size == 1 else list(CONTEXT_ATTENTION)
 
 
 def program(strategy: str | None, size: int):
@@ -68,7 +74,7 @@ def memory_rows(lengths, sizes, time_up_to: int, repeats: int) -> list[dict]:
     for t in lengths:
         one = None
         for size in sizes:
-            for strategy in ([None] if size == 1 else list(CONTEXT_ATTENTION)):
+            for strategy in strategies(size):
                 fn, mesh = program(strategy, size)
                 args = inputs(t, mesh) if t <= time_up_to else [
                     jax.ShapeDtypeStruct((B, t, n, H), jnp.float32,
@@ -99,7 +105,7 @@ def model_rows(lengths, sizes, time_up_to: int, repeats: int) -> list[dict]:
     for t in lengths:
         one = None
         for size in sizes:
-            for strategy in ([None] if size == 1 else list(CONTEXT_ATTENTION)):
+            for strategy in strategies(size):
                 step, params = model_program(strategy, size)
                 tokens = jax.ShapeDtypeStruct((B, t + 1), jnp.int32)
                 mb = step.lower(params, tokens).compile().memory_analysis().temp_size_in_bytes

@@ -14,6 +14,12 @@ import jax.numpy as jnp
 MASKED_LOGIT = -0.7 * float(jnp.finfo(jnp.float32).max)   # a logit softmax gives no weight
 
 
+def repeat_kv(a: jax.Array, n: int) -> jax.Array:
+    """k or v [B, T, K, H] repeated for the n query heads, [B, T, n, H]: query head i
+    uses key/value head i // (n/K)."""
+    return jnp.repeat(a, n // a.shape[2], axis=2)
+
+
 def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Causal softmax attention of q [B, T, N, H] over k, v [B, T, K, H] (query head
     n uses key/value head n // (N/K)), with the logits in fp32.
@@ -26,7 +32,7 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> tuple[jax.Arra
     t, n, h = q.shape[1:]
     # Each key/value head repeated for its query heads: plain multi-head einsums,
     # which XLA:CPU runs faster than grouped ones (experiments.bench_attention).
-    k, v = (jnp.repeat(a, n // a.shape[2], axis=2) for a in (k, v))        # [B, T, N, H]
+    k, v = (repeat_kv(a, n) for a in (k, v))                                 # [B, T, N, H]
     logits = jnp.einsum("btnh,bsnh->bnts", q, k,
                         preferred_element_type=jnp.float32) * h ** -0.5      # [B, N, T, T]
     logits = jnp.where(jnp.tril(jnp.ones((t, t), bool)), logits, MASKED_LOGIT)
@@ -56,7 +62,7 @@ def causal_peak(q: jax.Array, k: jax.Array, block: int = 512) -> jax.Array:
     in fp32, one block of queries at a time (exactly ``causal_attention``'s)."""
     b, t, n, h = q.shape
     q, k = jax.lax.stop_gradient(q), jax.lax.stop_gradient(k)
-    k = jnp.repeat(k, n // k.shape[2], axis=2)                                  # [B, T, N, H]
+    k = repeat_kv(k, n)                                                         # [B, T, N, H]
     size = math.gcd(t, block)
     blocks = q.reshape(b, t // size, size, n, h).swapaxes(0, 1)           # [T/bq, B, bq, N, H]
 

@@ -54,7 +54,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
-from jmegatron.models.attention import ATTENTION, MASKED_LOGIT
+from jmegatron.models.attention import ATTENTION, MASKED_LOGIT, repeat_kv
 from jmegatron.models.config import CONTEXT_ORDERS as ORDERS, GPTConfig
 from jmegatron.sharding import nested, rules as ax
 from jmegatron.sharding.rules import (EXCHANGED, Rules, active_mesh_and_rules, logical_to_spec,
@@ -106,11 +106,6 @@ def _masked_logits(q, k, relation):
     logits = jnp.einsum("btnh,bsnh->bnts", q, k, preferred_element_type=jnp.float32) * h ** -0.5
     keep = jnp.tril(jnp.ones((c, c), bool)) | (relation != DIAGONAL)
     return jnp.where(keep, logits, MASKED_LOGIT)
-
-
-def _repeat(a, n: int):
-    """k or v [B, c, K, H] repeated for the n query heads [B, c, n, H]."""
-    return jnp.repeat(a, n // a.shape[2], axis=2)
 
 
 def _fold(a, kv_heads: int):
@@ -179,7 +174,7 @@ def _ring_forward(q, k, v, axis, order):
                        jnp.zeros((b, n, c), jnp.float32)), q, k)
 
     def step(states, k, v, s):   # each query chunk's state, with the key chunks here
-        ks, vs = _halves(_repeat(k, n)), _halves(_repeat(v, n))
+        ks, vs = _halves(repeat_kv(k, n)), _halves(repeat_kv(v, n))
         for bi in range(2):
             states = [_combine(state, _block(q_a, ks[bi], vs[bi],
                                              _relation(mine[a], source(s)[bi])))
@@ -243,7 +238,7 @@ def _ring_bwd(axis, order, residuals, cotangents):
         return jax.lax.cond(relation == SKIP, skip, compute, k_blk, v_blk)
 
     def step(dq, k, v, s):   # (dq, dk, dv of the blocks k, v here)
-        ks, vs = _halves(_repeat(k, n)), _halves(_repeat(v, n))
+        ks, vs = _halves(repeat_kv(k, n)), _halves(repeat_kv(v, n))
         dk, dv = [], []
         for bi in range(2):
             grads = [pair(a, ks[bi], vs[bi], _relation(mine[a], source(s)[bi]))
@@ -279,7 +274,7 @@ def gathered_attention(q, k, v, axis: str, order: str):
     t, n, h = q.shape[1], q.shape[2], q.shape[3]
     # Named EXCHANGED, as the MoE's exchanges: a layer recomputed for its backward (the
     # owner and fsdp runners' remat) keeps them instead of gathering them again.
-    k, v = (_repeat(checkpoint_name(jax.lax.all_gather(a, axis, axis=1, tiled=True),
+    k, v = (repeat_kv(checkpoint_name(jax.lax.all_gather(a, axis, axis=1, tiled=True),
                                     EXCHANGED), n) for a in (k, v))
     positions = jnp.asarray(dealt_positions(t * size, size, order))
     mine = jax.lax.dynamic_slice_in_dim(positions, rank * t, t)
@@ -320,6 +315,12 @@ def sequence_axis(mesh_shape, rules: Rules) -> str | None:
     return live[0] if live else None
 
 
+def active_sequence_axis() -> str | None:
+    """``sequence_axis`` of the enclosing ``rules.activation_sharding`` (None outside one)."""
+    active = active_mesh_and_rules()
+    return active and sequence_axis(active[0].shape, active[1])
+
+
 def sequence_order(t: int, mesh_shape, rules: Rules, order: str) -> np.ndarray | None:
     """[T] the positions of a sequence of ``t`` in the order the model runs them on a
     mesh of ``mesh_shape`` under ``rules``: dealt in ``order`` over the axis splitting
@@ -341,11 +342,10 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, cfg: GPTConfig):
     ``rules.activation_sharding`` by ``cfg.context_attention`` (dealt in
     ``cfg.context_order``), else whole by ``cfg.attention``. Returns (output [B, T, N,
     H], largest logit [B, N])."""
-    active = active_mesh_and_rules()
-    axis = active and sequence_axis(active[0].shape, active[1])
+    axis = active_sequence_axis()
     if not axis:
         return ATTENTION[cfg.attention](q, k, v)
-    mesh, rules = active
+    mesh, rules = active_mesh_and_rules()
     why = refusal(cfg, size=mesh.shape[axis])
     if why:
         raise ValueError(why)

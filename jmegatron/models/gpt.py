@@ -17,7 +17,7 @@ from jmegatron.models.layers import Block, embed_lookup, param, rms_norm
 from jmegatron.models.moe import STATS, MoEBlock
 from jmegatron.models.products import weight_einsum
 from jmegatron.sharding import rules as ax
-from jmegatron.sharding.rules import active_mesh_and_rules, constrain, logical_axes_of
+from jmegatron.sharding.rules import constrain, logical_axes_of
 from jmegatron.sharding.runners import Stack, active_runner, default_runner
 from jmegatron.sharding.stacks import StackShape, stack_of
 
@@ -114,8 +114,7 @@ class GPT(nnx.Module):
     def _whole_sequence_positions(self, t: int) -> np.ndarray:
         """0..T-1, where no live mesh axis splits the sequence; else ValueError: the
         caller must deal the tokens (``__call__``'s ``positions``)."""
-        active = active_mesh_and_rules()
-        if active and context.sequence_axis(active[0].shape, active[1]):
+        if context.active_sequence_axis():
             raise ValueError("the sequence is split over a context axis: deal the tokens by "
                              "context.sequence_order and pass it as positions")
         return np.arange(t)

@@ -57,7 +57,6 @@ def sample_texts(sampler, params, prompt: str, n_tokens: int, seq_len: int,
                  mesh: jax.sharding.Mesh, rules: Rules, seed: int,
                  tok=tokenizer.Bytes()) -> tuple[str, str]:
     """(greedy, top-k) continuations of ``prompt``, encoded and decoded by ``tok``."""
-    rules = whole_sequences(rules)
     shards = axis_size(mesh, mesh_axes_of(ax.BATCH, rules))
     rows = shards * -(-2 // shards)          # at least 2 rows, whole data shards
     # Training documents are separated by EOS, so EOS is how a document begins.
@@ -65,7 +64,8 @@ def sample_texts(sampler, params, prompt: str, n_tokens: int, seq_len: int,
     end = min(len(prompt_ids) + n_tokens, seq_len)
     window = np.full((rows, seq_len), tok.pad, np.int32)
     window[:, :len(prompt_ids)] = prompt_ids
-    window = jax.device_put(window, NamedSharding(mesh, logical_to_spec((ax.BATCH, ax.SEQ), rules)))
+    # Rows over the batch ranks, each window whole (the sampler runs whole sequences).
+    window = jax.device_put(window, NamedSharding(mesh, logical_to_spec((ax.BATCH, None), rules)))
     out = sampler(params, window, len(prompt_ids), end, jax.random.key(seed))
     out = multihost_utils.process_allgather(out, tiled=True)   # rows of every process
     texts = [prompt + tok.decode(row[len(prompt_ids):end]) for row in out[:2]]
